@@ -1,0 +1,41 @@
+# `make test` and `make demo` set up .venv themselves.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export UCX_MODULES := ^ib
+export NIXL_LOG_LEVEL := WARN
+
+.PHONY: test demo lint typecheck pytest bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned, so no CUDA build is pulled by a looser range later.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/python tools/check_sizes.py
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(BIN)/kvbridge demo
+
+bench: $(STAMP)
+	$(BIN)/kvbridge bench plan
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
