@@ -1,0 +1,27 @@
+"""All environment variables kvbridge reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    # UCX's IB module segfaults at process exit on these machines (NIXL_NOTES).
+    "UCX_MODULES": "^ib",
+    "NIXL_LOG_LEVEL": "WARN",
+}
+
+
+def prepare_process_env() -> None:
+    """Set transport-related defaults before the first NIXL agent exists."""
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def progress_delay_us() -> int:
+    """Delay of NIXL's progress thread between polls (µs); 0 would spin a core."""
+    return int(os.environ.get("KVBRIDGE_PROGRESS_DELAY_US", "1000"))
+
+
+def lease_seconds() -> float:
+    """Default lease P grants a request's blocks."""
+    return float(os.environ.get("KVBRIDGE_LEASE_S", "30"))

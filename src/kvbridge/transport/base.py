@@ -1,0 +1,91 @@
+"""The transport interface (DESIGN §5): register, add peer, read/write runs, poll.
+
+Runs are ``(N, 3)`` uint64 arrays of ``(local_or_src_addr, remote_or_dst_addr, nbytes)``
+as produced by the planner; see :class:`Runs`. Two implementations exist:
+``loopback`` (in-process memcpy) and ``nixl`` (the only module importing NIXL).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class XferState(enum.Enum):
+    """State of a posted transfer, as :meth:`Transport.poll` reports it."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A registered memory range: ``addr`` and ``nbytes`` in bytes, on host memory."""
+
+    addr: int
+    nbytes: int
+
+
+class XferHandle(abc.ABC):
+    """A posted transfer. ``release()`` frees transport resources; idempotent."""
+
+    @abc.abstractmethod
+    def release(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """One rank's agent. ``name`` is unique per rank and known to peers.
+
+    ``read(peer, local, remote, ...)``: copy ``remote[i]`` (peer memory) to ``local[i]``.
+    ``write(peer, local, remote, ...)``: copy ``local[i]`` to ``remote[i]`` (peer memory).
+    ``local``, ``remote``, ``nbytes`` are 1-D uint64 arrays of equal length.
+    A notification (bytes) is delivered to the peer once the data has landed.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def register(self, regions: list[Region]) -> bytes:
+        """Register local memory; returns this agent's metadata for peers."""
+
+    @abc.abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Make a peer known from its metadata; returns its agent name."""
+
+    @abc.abstractmethod
+    def remove_peer(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def read(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        notif: bytes | None = None,
+    ) -> XferHandle: ...
+
+    @abc.abstractmethod
+    def write(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        notif: bytes | None = None,
+    ) -> XferHandle: ...
+
+    @abc.abstractmethod
+    def poll(self, handle: XferHandle) -> XferState:
+        """Non-blocking; raises :class:`~kvbridge.errors.TransportError` on failure."""
+
+    @abc.abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Drain received notifications as ``(peer name, message)``."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
