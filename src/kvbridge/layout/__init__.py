@@ -1,0 +1,6 @@
+"""Layout: where a rank keeps its bytes (DESIGN §2)."""
+
+from kvbridge.layout.build import LAYOUTS, build_layout
+from kvbridge.layout.view import RankLayout, View
+
+__all__ = ["LAYOUTS", "RankLayout", "View", "build_layout"]

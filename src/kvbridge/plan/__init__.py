@@ -1,0 +1,16 @@
+"""Plan: which bytes go where, geometry once per pair, runs per request (DESIGN §4)."""
+
+from kvbridge.plan.build import Geometry
+from kvbridge.plan.geometry import Bound
+from kvbridge.plan.plan import Plan, PlanSummary, SourceSummary
+from kvbridge.plan.runs import Runs, merge_adjacent
+
+__all__ = [
+    "Bound",
+    "Geometry",
+    "Plan",
+    "PlanSummary",
+    "Runs",
+    "SourceSummary",
+    "merge_adjacent",
+]

@@ -1,0 +1,26 @@
+"""Spec: what a model stores (DESIGN §1)."""
+
+from kvbridge.spec.build import attention, group_by_kind, mamba2, mla, state, state_tensor
+from kvbridge.spec.dtypes import DType, parse_dtype
+from kvbridge.spec.model import Group, Kind, Layer, ModelSpec, Segment, Stream
+from kvbridge.spec.parallel import Parallel
+from kvbridge.spec.sharding import shard_interval
+
+__all__ = [
+    "DType",
+    "Group",
+    "Kind",
+    "Layer",
+    "ModelSpec",
+    "Parallel",
+    "Segment",
+    "Stream",
+    "attention",
+    "group_by_kind",
+    "mamba2",
+    "mla",
+    "parse_dtype",
+    "shard_interval",
+    "state",
+    "state_tensor",
+]

@@ -1,0 +1,5 @@
+"""Topology: which P rank serves which part of a D rank's cache (DESIGN §3)."""
+
+from kvbridge.topology.sources import Piece, layers_of_rank, sources
+
+__all__ = ["Piece", "layers_of_rank", "sources"]

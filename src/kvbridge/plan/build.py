@@ -1,0 +1,215 @@
+"""Per-pair geometry and the per-request plan (DESIGN §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import IncompatibleError, PlanError
+from kvbridge.plan.geometry import Bound, Bucket, concat_fine, fine_runs, rule_key, tile_of
+from kvbridge.plan.plan import Plan, Use
+from kvbridge.plan.runs import merge_adjacent
+from kvbridge.spec.model import ModelSpec
+from kvbridge.spec.parallel import Parallel
+from kvbridge.topology.sources import sources
+
+
+@dataclass(frozen=True, slots=True)
+class GroupGeom:
+    tile: int
+    bp: int
+    bd: int
+    np_: int
+    """P blocks per tile."""
+    nd: int
+    """D blocks per tile."""
+    p_blocks: int
+    d_blocks: int
+    pool: int
+    state: bool
+    buckets: tuple[Bucket, ...]
+
+
+class Geometry:
+    """Everything about one (P instance, D rank) pair that does not depend on a request.
+
+    ``p_bound[r]`` is P global rank ``r``'s layout with region addresses; ``d_bound`` the
+    D rank's. Build it once at handshake; call :meth:`plan` per request.
+    """
+
+    def __init__(
+        self,
+        spec_p: ModelSpec,
+        spec_d: ModelSpec,
+        p_par: Parallel,
+        d_par: Parallel,
+        p_bound: Sequence[Bound],
+        d_bound: Bound,
+        d_rank: int,
+    ) -> None:
+        if spec_p.compat_hash() != spec_d.compat_hash():
+            raise IncompatibleError(
+                f"P spec {spec_p.name!r} ({spec_p.compat_hash()}) and D spec "
+                f"{spec_d.name!r} ({spec_d.compat_hash()}) store different bytes"
+            )
+        if len(p_bound) != p_par.world:
+            raise IncompatibleError(f"{len(p_bound)} P layouts for P world {p_par.world}")
+        self.spec = spec_d
+        self.d_rank = d_rank
+        parts: dict[tuple[int, tuple[str, int], int], list[dict[str, np.ndarray]]] = {}
+        rules = {}
+        for pc in sources(spec_p, p_par, d_par, d_rank):
+            layer = spec_d.layers[pc.layer]
+            g = spec_d.group_of(pc.layer)
+            tile, bp, bd = tile_of(spec_p, spec_d, g)
+            key = (g, rule_key(layer), pc.src_rank)
+            rules[key] = layer
+            parts.setdefault(key, []).append(
+                fine_runs(pc, layer, p_bound[pc.src_rank], d_bound, tile, bp, bd)
+            )
+        buckets: dict[int, list[Bucket]] = {}
+        for key, fines in parts.items():
+            g = key[0]
+            tile = tile_of(spec_p, spec_d, g)[0]
+            bucket = Bucket(g, key[2], rules[key], tile, concat_fine(fines))
+            buckets.setdefault(g, []).append(bucket)
+        groups = []
+        for g in range(len(spec_d.groups)):
+            tile, bp, bd = tile_of(spec_p, spec_d, g)
+            state = spec_d.is_state_group(g)
+            p_blocks = min(b.layout.num_blocks[g] for b in p_bound)
+            d_lay = d_bound.layout
+            groups.append(
+                GroupGeom(
+                    1 if state else tile,
+                    1 if state else bp,
+                    1 if state else bd,
+                    1 if state else tile // bp,
+                    1 if state else tile // bd,
+                    p_blocks,
+                    d_lay.num_blocks[g],
+                    d_lay.pools[g],
+                    state,
+                    tuple(buckets.get(g, ())),
+                )
+            )
+        self.groups = tuple(groups)
+
+    def plan(
+        self,
+        n_tokens: int,
+        p_tables: Sequence[Sequence[int] | np.ndarray],
+        d_tables: Sequence[Sequence[int] | np.ndarray],
+        cached: int = 0,
+    ) -> Plan:
+        """Runs for one request of ``n_tokens`` prefilled tokens, ``cached`` already on D.
+
+        ``p_tables[g]`` / ``d_tables[g]``: block ids of group ``g`` covering tokens
+        ``[0, n_tokens)`` (state groups: one slot id). Raises :class:`PlanError`.
+        """
+        if n_tokens < 1 or not 0 <= cached <= n_tokens:
+            raise PlanError(f"n_tokens={n_tokens}, cached={cached}: need 0 ≤ cached ≤ n, n ≥ 1")
+        if len(p_tables) != len(self.groups) or len(d_tables) != len(self.groups):
+            raise PlanError(
+                f"{len(p_tables)} P and {len(d_tables)} D block tables "
+                f"for {len(self.groups)} groups"
+            )
+        uses: list[Use] = []
+        chunks: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        written: dict[int, list[np.ndarray]] = {}
+        for g, gg in enumerate(self.groups):
+            ptab = _table(p_tables[g], gg.p_blocks, n_tokens, gg, gg.bp, "P", g)
+            dtab = _table(d_tables[g], gg.d_blocks, n_tokens, gg, gg.bd, "D", g)
+            first = n_tokens
+            for b in gg.buckets:
+                a, e = b.rule.needed_tokens(n_tokens, cached)
+                if a >= e:
+                    continue
+                first = min(first, a)
+                for k_lo, k_hi, s, t in _tile_spans(a, e, gg.tile):
+                    pat = b.pattern(s, t)
+                    out = chunks.setdefault(b.src_rank, [])
+                    out.append(_apply(pat, ptab, dtab, k_lo, k_hi, gg.np_, gg.nd))
+                    uses.append(Use(b.src_rank, pat, k_hi - k_lo))
+            if first < n_tokens:
+                lo, hi = (0, 1) if gg.state else (first // gg.bd, -(-n_tokens // gg.bd))
+                written.setdefault(gg.pool, []).append(dtab[lo:hi])
+        for pool, ids in written.items():
+            _check_unique(ids, pool)
+        runs = {}
+        for src, parts in chunks.items():
+            if len(parts) == 1:
+                runs[src] = merge_adjacent(*parts[0])
+            else:
+                runs[src] = merge_adjacent(*(np.concatenate(c) for c in zip(*parts, strict=True)))
+        return Plan(runs, uses)
+
+
+def _table(
+    ids: Sequence[int] | np.ndarray, limit: int, n: int, gg: GroupGeom, bs: int, side: str, g: int
+) -> np.ndarray:
+    """Block ids as int64, range-checked over the entries a request of ``n`` tokens uses."""
+    tab = np.asarray(ids, dtype=np.int64)
+    need = 1 if gg.state else -(-n // bs)
+    if tab.ndim != 1 or tab.shape[0] < need:
+        raise PlanError(
+            f"group {g}: {side} table has {tab.shape[0] if tab.ndim == 1 else tab.shape} "
+            f"entries; {n} tokens need {need}"
+        )
+    used = tab[:need]
+    lo, hi = int(used.min()), int(used.max())
+    if lo < 0 or hi >= limit:
+        raise PlanError(f"group {g}: {side} block ids span [{lo}, {hi}]; valid are [0, {limit})")
+    per_tile = gg.np_ if side == "P" else gg.nd
+    span = -(-need // per_tile) * per_tile
+    if span > need:  # pad the last tile; padded ids are never addressed by its pattern
+        used = np.concatenate((used, np.zeros(span - need, np.int64)))
+    return used
+
+
+def _tile_spans(a: int, e: int, tile: int) -> list[tuple[int, int, int, int]]:
+    """Split tokens ``[a, e)`` into tile spans ``(k_lo, k_hi, s, t)`` sharing a pattern."""
+    k0, k1 = a // tile, (e - 1) // tile
+    s0, t1 = a - k0 * tile, e - k1 * tile
+    if k0 == k1:
+        return [(k0, k0 + 1, s0, t1)]
+    spans = []
+    lo, hi = k0, k1 + 1
+    if s0:
+        spans.append((k0, k0 + 1, s0, tile))
+        lo = k0 + 1
+    if t1 != tile:
+        hi = k1
+    if hi > lo:
+        spans.append((lo, hi, 0, tile))
+    if t1 != tile:
+        spans.append((k1, k1 + 1, 0, t1))
+    return spans
+
+
+def _apply(
+    pat, ptab: np.ndarray, dtab: np.ndarray, k_lo: int, k_hi: int, np_: int, nd: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Addresses of pattern ``pat`` over tiles ``[k_lo, k_hi)``, ordered (run, tile)."""
+    if np_ == 1:
+        pid = ptab[k_lo:k_hi][None, :]
+    else:
+        pid = ptab[k_lo * np_ : k_hi * np_].reshape(-1, np_)[:, pat.sbit].T
+    if nd == 1:
+        did = dtab[k_lo:k_hi][None, :]
+    else:
+        did = dtab[k_lo * nd : k_hi * nd].reshape(-1, nd)[:, pat.dbit].T
+    src = (pat.soff[:, None] + pid * pat.sstr[:, None]).ravel()
+    dst = (pat.doff[:, None] + did * pat.dstr[:, None]).ravel()
+    return src, dst, np.repeat(pat.length, k_hi - k_lo)
+
+
+def _check_unique(ids: list[np.ndarray], pool: int) -> None:
+    allids = np.concatenate(ids) if len(ids) > 1 else ids[0]
+    if allids.shape[0] > 1:
+        srt = np.sort(allids)
+        dup = srt[1:][srt[1:] == srt[:-1]]
+        if dup.shape[0]:
+            raise PlanError(f"D block id {int(dup[0])} is used twice (pool {pool})")

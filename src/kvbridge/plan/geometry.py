@@ -1,0 +1,166 @@
+"""Geometry (DESIGN §4): the byte pattern of one tile, computed once per pair.
+
+A tile is ``lcm(bs_P, bs_D)`` tokens: ``T/bs_P`` P blocks and ``T/bs_D`` D blocks. For a
+state group the tile is one slot. Every run of the pattern is
+
+    (src block-in-tile, src offset, src block stride, dst block-in-tile, dst offset,
+     dst block stride, length)
+
+with offsets already holding the region base and the in-block position, so a request
+only adds ``block_id · stride``. Layers whose needed token range is computed the same way
+(full and MLA; each window; each chunk; state) share a *bucket* per source rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.layout.view import RankLayout, View
+from kvbridge.spec.model import Kind, Layer, ModelSpec
+from kvbridge.topology.sources import Piece
+
+FIELDS = ("token", "sbit", "soff", "sstr", "dbit", "doff", "dstr", "length", "kind")
+KIND_CODES = tuple(Kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A rank's layout with the address of each of its regions."""
+
+    layout: RankLayout
+    bases: tuple[int, ...]
+
+    def base(self, v: View) -> int:
+        return self.bases[v.region] + v.offset
+
+
+@dataclass(slots=True)
+class Pattern:
+    """Coalesced runs of one tile restricted to token range ``[s, e)``; arrays of length R."""
+
+    sbit: np.ndarray
+    soff: np.ndarray
+    sstr: np.ndarray
+    dbit: np.ndarray
+    doff: np.ndarray
+    dstr: np.ndarray
+    length: np.ndarray
+    nbytes: int
+    kind_bytes: dict[Kind, int]
+
+
+@dataclass
+class Bucket:
+    """Layers of one group with the same needed-range rule, served by one source rank."""
+
+    group: int
+    src_rank: int
+    rule: Layer
+    """A layer of the bucket; its ``needed_tokens`` gives the range for all."""
+    tile: int
+    fine: dict[str, np.ndarray]
+    _patterns: dict[tuple[int, int], Pattern] = field(default_factory=dict)
+
+    def pattern(self, s: int, e: int) -> Pattern:
+        """Runs for tokens ``[s, e)`` of the tile, coalesced; memoised per range."""
+        pat = self._patterns.get((s, e))
+        if pat is None:
+            pat = self._patterns[(s, e)] = _coalesce(self.fine, s, e)
+        return pat
+
+
+def rule_key(layer: Layer) -> tuple[str, int]:
+    """Layers with equal keys need the same token range."""
+    if layer.kind in (Kind.FULL, Kind.MLA):
+        return ("full", 0)
+    return (str(layer.kind), layer.window or layer.chunk)
+
+
+def tile_of(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> tuple[int, int, int]:
+    """``(tile tokens, bs_P, bs_D)`` of group ``g``."""
+    bp, bd = spec_p.groups[g].block_size, spec_d.groups[g].block_size
+    return (math.lcm(bp, bd), bp, bd)
+
+
+def fine_runs(
+    piece: Piece, layer: Layer, src: Bound, dst: Bound, tile: int, bp: int, bd: int
+) -> dict[str, np.ndarray]:
+    """Runs of one piece over one tile, one unit per run (coalesced later)."""
+    sv = src.layout.view(piece.layer, piece.stream)
+    dv = dst.layout.view(piece.layer, piece.stream)
+    seg = piece.segment
+    if layer.kind is Kind.STATE:
+        rows = np.arange(sv.rows, dtype=np.int64)
+        token = np.zeros_like(rows)
+        srow, drow, sbit, dbit = rows, rows, token, token
+    else:
+        token = np.arange(tile, dtype=np.int64)
+        srow, sbit = token % bp, token // bp
+        drow, dbit = token % bd, token // bd
+    units = np.arange(piece.start, piece.stop, dtype=np.int64)
+    su = units - sv.seg_units[seg][0]
+    du = units - dv.seg_units[seg][0]
+    soff = src.base(sv) + sv.seg_offsets[seg] + srow * sv.row_strides[seg]
+    doff = dst.base(dv) + dv.seg_offsets[seg] + drow * dv.row_strides[seg]
+    soff = (soff[:, None] + su[None, :] * sv.unit_strides[seg]).ravel()
+    doff = (doff[:, None] + du[None, :] * dv.unit_strides[seg]).ravel()
+    n = soff.shape[0]
+    reps = units.shape[0]
+    return {
+        "token": np.repeat(token, reps),
+        "sbit": np.repeat(sbit, reps),
+        "soff": soff,
+        "sstr": np.full(n, sv.block_stride, np.int64),
+        "dbit": np.repeat(dbit, reps),
+        "doff": doff,
+        "dstr": np.full(n, dv.block_stride, np.int64),
+        "length": np.full(n, sv.unit_bytes[seg], np.int64),
+        "kind": np.full(n, KIND_CODES.index(layer.kind), np.int64),
+    }
+
+
+def concat_fine(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Concatenate fine runs and coalesce within each token (keeps the token column)."""
+    fine = {k: np.concatenate([p[k] for p in parts]) for k in FIELDS}
+    order = np.lexsort((fine["soff"], fine["sstr"], fine["dstr"], fine["dbit"], fine["sbit"]))
+    fine = {k: v[order] for k, v in fine.items()}
+    return _merge_sorted(fine, same=("token", "sbit", "dbit", "sstr", "dstr", "kind"))
+
+
+def _merge_sorted(f: dict[str, np.ndarray], same: tuple[str, ...]) -> dict[str, np.ndarray]:
+    n = f["soff"].shape[0]
+    if n <= 1:
+        return f
+    ln = f["length"]
+    cont = (f["soff"][:-1] + ln[:-1] == f["soff"][1:]) & (f["doff"][:-1] + ln[:-1] == f["doff"][1:])
+    for k in same:
+        cont &= f[k][:-1] == f[k][1:]
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    out = {k: v[starts] for k, v in f.items()}
+    out["length"] = np.add.reduceat(ln, starts)
+    return out
+
+
+def _coalesce(fine: dict[str, np.ndarray], s: int, e: int) -> Pattern:
+    sel = (fine["token"] >= s) & (fine["token"] < e)
+    f = {k: v[sel] for k, v in fine.items()}
+    kind_bytes = {
+        KIND_CODES[c]: int(f["length"][f["kind"] == c].sum()) for c in np.unique(f["kind"])
+    }
+    order = np.lexsort((f["soff"], f["sstr"], f["dstr"], f["dbit"], f["sbit"]))
+    f = {k: v[order] for k, v in f.items()}
+    m = _merge_sorted(f, same=("sbit", "dbit", "sstr", "dstr"))
+    return Pattern(
+        m["sbit"],
+        m["soff"],
+        m["sstr"],
+        m["dbit"],
+        m["doff"],
+        m["dstr"],
+        m["length"],
+        int(m["length"].sum()),
+        kind_bytes,
+    )

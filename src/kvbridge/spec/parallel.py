@@ -1,0 +1,58 @@
+"""Parallel configuration of one instance: TP size, PP stages as layer ranges.
+
+Global rank numbering: ``rank = stage * tp + tp_rank``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.errors import SpecError
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    tp: int = 1
+    pp: int = 1
+    stages: tuple[tuple[int, int], ...] = ()
+    """Explicit ``[start, stop)`` layer range per PP stage; empty: split evenly."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise SpecError(f"tp={self.tp} and pp={self.pp} must be ≥ 1")
+        if self.stages and len(self.stages) != self.pp:
+            raise SpecError(f"{len(self.stages)} stage ranges given for pp={self.pp}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(pp_stage, tp_rank)`` of a global rank."""
+        if not 0 <= rank < self.world:
+            raise SpecError(f"rank {rank} outside world size {self.world}")
+        return divmod(rank, self.tp)
+
+    def stage_ranges(self, num_layers: int) -> tuple[tuple[int, int], ...]:
+        """Layer range of every stage; earlier stages take the remainder."""
+        if self.stages:
+            ends = [r[1] for r in self.stages]
+            starts = [r[0] for r in self.stages]
+            if starts[0] != 0 or ends[-1] != num_layers or starts[1:] != ends[:-1]:
+                raise SpecError(f"stages {self.stages} do not tile layers [0, {num_layers})")
+            return self.stages
+        if self.pp > num_layers:
+            raise SpecError(f"pp={self.pp} exceeds the {num_layers} layers")
+        base, extra = divmod(num_layers, self.pp)
+        out, start = [], 0
+        for s in range(self.pp):
+            stop = start + base + (1 if s < extra else 0)
+            out.append((start, stop))
+            start = stop
+        return tuple(out)
+
+    def stage_of_layer(self, layer: int, num_layers: int) -> int:
+        for s, (a, b) in enumerate(self.stage_ranges(num_layers)):
+            if a <= layer < b:
+                return s
+        raise SpecError(f"layer {layer} outside [0, {num_layers})")

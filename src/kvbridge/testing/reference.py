@@ -1,0 +1,141 @@
+"""The element-wise reference (DESIGN §4): deliberately naive, one unit at a time.
+
+P memories are filled so that every unit of every (layer, stream, token/row) holds
+bytes that encode where it came from; the reference then says what every D byte must
+hold after a transfer. It shares no code with the planner: it walks tokens and units
+in Python and addresses them straight from the views' strides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvbridge.layout.view import RankLayout, View
+from kvbridge.spec.model import Kind, Layer, ModelSpec
+from kvbridge.spec.parallel import Parallel
+
+
+def encode(layer: int, stream: int, token: int, unit: int, nbytes: int) -> np.ndarray:
+    """Bytes that identify (layer, stream, token, unit); position-dependent within the unit."""
+    x = np.uint64((((layer * 131 + stream) * 1_000_003 + token) * 65_537 + unit) % (1 << 61))
+    i = np.arange(nbytes, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = (x * np.uint64(0x9E3779B97F4A7C15)) ^ (i * np.uint64(0xBF58476D1CE4E5B9))
+        h ^= h >> np.uint64(29)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(32)
+    return (h & np.uint64(0xFF)).astype(np.uint8)
+
+
+def held_units(units: int, tp: int, rank: int, replicated: bool) -> list[int]:
+    """The global units TP ``rank`` holds, by the rule stated in DESIGN §1."""
+    if replicated:
+        return list(range(units))
+    if units >= tp:
+        per = units // tp
+        return [u for u in range(units) if u // per == rank]
+    return [rank // (tp // units)]
+
+
+def rank_layers(spec: ModelSpec, par: Parallel, rank: int) -> list[int]:
+    stage = rank // par.tp
+    n = len(spec.layers)
+    if par.stages:
+        lo, hi = par.stages[stage]
+    else:
+        sizes = [n // par.pp + (1 if s < n % par.pp else 0) for s in range(par.pp)]
+        lo = sum(sizes[:stage])
+        hi = lo + sizes[stage]
+    return list(range(lo, hi))
+
+
+def needed(layer: Layer, n: int, cached: int) -> list[int]:
+    """Tokens (state: rows marker [0]) D needs, listed one by one."""
+    if cached >= n:
+        return []
+    if layer.kind is Kind.STATE:
+        return [0]
+    toks = list(range(cached, n))
+    if layer.kind is Kind.SLIDING:
+        toks = [t for t in toks if t >= n - (layer.window - 1)]
+    if layer.kind is Kind.CHUNKED:
+        toks = [t for t in toks if t >= n - n % layer.chunk]
+    return toks
+
+
+def _unit_addr(v: View, block: int, row: int, seg: int, unit: int) -> int:
+    local = unit - v.seg_units[seg][0]
+    return (
+        v.offset
+        + block * v.block_stride
+        + v.seg_offsets[seg]
+        + row * v.row_strides[seg]
+        + local * v.unit_strides[seg]
+    )
+
+
+def _visit(
+    spec: ModelSpec,
+    par: Parallel,
+    rank: int,
+    layout: RankLayout,
+    tokens_of,  # type: ignore[no-untyped-def]
+    tables: list[list[int]],
+):  # type: ignore[no-untyped-def]
+    """Yield (region, byte offset, expected bytes) for every unit a rank holds."""
+    tp_rank = rank % par.tp
+    for li in rank_layers(spec, par, rank):
+        layer = spec.layers[li]
+        g = spec.group_of(li)
+        bs = spec.groups[g].block_size
+        for si, s in enumerate(layer.streams):
+            v = layout.view(li, s.name)
+            for seg_i, seg in enumerate(s.segments):
+                for u in held_units(seg.units, par.tp, tp_rank, s.replicated):
+                    for t in tokens_of(layer):
+                        if layer.kind is Kind.STATE:
+                            for row in range(s.rows):
+                                addr = _unit_addr(v, tables[g][0], row, seg_i, u)
+                                yield v.region, addr, encode(li, si, row, u, seg.unit_bytes)
+                        else:
+                            addr = _unit_addr(v, tables[g][t // bs], t % bs, seg_i, u)
+                            yield v.region, addr, encode(li, si, t, u, seg.unit_bytes)
+
+
+def fill_source(
+    spec: ModelSpec,
+    par: Parallel,
+    rank: int,
+    layout: RankLayout,
+    bufs: list[np.ndarray],
+    n: int,
+    tables: list[list[int]],
+) -> None:
+    """Write the encoded request of ``n`` tokens into P rank ``rank``'s buffers."""
+
+    def all_tokens(layer: Layer) -> list[int]:
+        return [0] if layer.kind is Kind.STATE else list(range(n))
+
+    for region, addr, data in _visit(spec, par, rank, layout, all_tokens, tables):
+        bufs[region][addr : addr + data.shape[0]] = data
+
+
+def expected_dest(
+    spec: ModelSpec,
+    par: Parallel,
+    rank: int,
+    layout: RankLayout,
+    before: list[np.ndarray],
+    n: int,
+    cached: int,
+    tables: list[list[int]],
+) -> list[np.ndarray]:
+    """What D rank ``rank``'s buffers must hold after the transfer (``before`` untouched)."""
+    out = [b.copy() for b in before]
+
+    def wanted(layer: Layer) -> list[int]:
+        return needed(layer, n, cached)
+
+    for region, addr, data in _visit(spec, par, rank, layout, wanted, tables):
+        out[region][addr : addr + data.shape[0]] = data
+    return out

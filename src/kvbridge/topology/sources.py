@@ -1,0 +1,71 @@
+"""Who serves what (DESIGN §3): for one D rank, the P rank serving each unit interval.
+
+Computed once per (P instance, D rank) pair. Units a D rank needs are intersected with
+every P rank's holdings; a unit held by several P ranks (replicated heads, MLA latents)
+is read from exactly one, chosen by ``(layer + d_tp_rank) % holders`` to spread load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.errors import TopologyError
+from kvbridge.spec.model import ModelSpec
+from kvbridge.spec.parallel import Parallel
+from kvbridge.spec.sharding import shard_interval
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Units ``[start, stop)`` of one segment of (layer, stream), read from ``src_rank``."""
+
+    layer: int
+    stream: str
+    segment: int
+    src_rank: int
+    start: int
+    stop: int
+
+
+def layers_of_rank(spec: ModelSpec, par: Parallel, rank: int) -> range:
+    stage, _ = par.coords(rank)
+    lo, hi = par.stage_ranges(len(spec.layers))[stage]
+    return range(lo, hi)
+
+
+def sources(spec: ModelSpec, p_par: Parallel, d_par: Parallel, d_rank: int) -> list[Piece]:
+    """Every piece D rank ``d_rank`` needs, with the P global rank that serves it."""
+    spec.check_tp(p_par.tp)
+    spec.check_tp(d_par.tp)
+    _, d_tp = d_par.coords(d_rank)
+    n_layers = len(spec.layers)
+    pieces: list[Piece] = []
+    for li in layers_of_rank(spec, d_par, d_rank):
+        p_stage = p_par.stage_of_layer(li, n_layers)
+        for s in spec.layers[li].streams:
+            for seg_i, seg in enumerate(s.segments):
+                a, b = shard_interval(seg.units, d_par.tp, d_tp, s.replicated)
+                held = [
+                    (r, shard_interval(seg.units, p_par.tp, r, s.replicated))
+                    for r in range(p_par.tp)
+                ]
+                owner = []
+                for u in range(a, b):
+                    holders = [r for r, (lo, hi) in held if lo <= u < hi]
+                    if not holders:
+                        raise TopologyError(f"layer {li} {s.name}: no P rank holds unit {u}")
+                    owner.append(p_stage * p_par.tp + holders[(li + d_tp) % len(holders)])
+                pieces.extend(_intervals(li, s.name, seg_i, a, owner))
+    return pieces
+
+
+def _intervals(layer: int, stream: str, seg: int, start: int, owner: list[int]) -> list[Piece]:
+    out: list[Piece] = []
+    i = 0
+    while i < len(owner):
+        j = i
+        while j + 1 < len(owner) and owner[j + 1] == owner[i]:
+            j += 1
+        out.append(Piece(layer, stream, seg, owner[i], start + i, start + j + 1))
+        i = j + 1
+    return out
