@@ -1,7 +1,7 @@
 """Named layouts are stride choices (DESIGN §2). Builders return a :class:`RankLayout`.
 
     nhd          per layer  [blocks][K|V][tokens][heads][dim]   (or K, V in separate regions)
-    hnd          per layer  [blocks][K|V][heads][tokens][dim]   a head slice is contiguous
+    hnd          per layer  [blocks][heads][K|V][tokens][dim]   a head slice is contiguous
     block-major  per group  [blocks][layers][K|V][tokens][heads][dim]
     shared-pool  the k-th layer of every group shares region k, pages of the largest block
 
@@ -11,7 +11,7 @@ State layers use the same orders with rows in place of tokens and slots for bloc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout.view import RankLayout, View
@@ -35,6 +35,16 @@ class _Piece:
     row_strides: tuple[int, ...]
     unit_strides: tuple[int, ...]
     unit_bytes: tuple[int, ...]
+    interleaved: bool = False
+
+
+def _place(pieces: list[_Piece], start: int) -> list[tuple[_Piece, int]]:
+    """Offset of each piece of one layer's block: consecutive, or shared if interleaved."""
+    out, off = [], start
+    for p in pieces:
+        out.append((p, start if p.interleaved else off))
+        off += p.nbytes
+    return out
 
 
 def _piece(layer: int, s: Stream, rows: int, tp: int, tp_rank: int, order: str) -> _Piece:
@@ -55,6 +65,20 @@ def _piece(layer: int, s: Stream, rows: int, tp: int, tp_rank: int, order: str) 
             pos += (b - a) * ub
     nbytes = rows * row_bytes
     return _Piece(layer, s.name, nbytes, rows, units, tuple(offs), tuple(rstr), tuple(ustr), ubytes)
+
+
+def _interleave(pieces: list[_Piece]) -> list[_Piece]:
+    """HND with packed streams: ``[heads][stream][rows][unit]`` so a head slice of all
+    streams is one contiguous range per block (streams of one segment, equal units)."""
+    segs = {p.seg_units for p in pieces}
+    if len(segs) != 1 or len(pieces[0].seg_units) != 1 or len(pieces) == 1:
+        return pieces
+    head = sum(p.rows * p.unit_bytes[0] for p in pieces)
+    out, off = [], 0
+    for p in pieces:
+        out.append(replace(p, seg_offsets=(off,), unit_strides=(head,), interleaved=True))
+        off += p.rows * p.unit_bytes[0]
+    return out
 
 
 def _view(p: _Piece, region: int, offset: int, block_stride: int, blocks: int) -> View:
@@ -111,6 +135,8 @@ def build_layout(
         pieces = [
             _piece(lay.index, s, s.rows or rows_tok, par.tp, tp_rank, order) for s in lay.streams
         ]
+        if order == "hnd" and (kv_packed or layout != "hnd"):
+            pieces = _interleave(pieces)
         per_group[g].append(pieces)
     build = {
         "nhd": _per_layer,
@@ -133,10 +159,8 @@ def _per_layer(groups: list[list[list[_Piece]]], nblk: tuple[int, ...], packed: 
         for pieces in layers:
             if packed:
                 stride = sum(p.nbytes for p in pieces)
-                off = 0
-                for p in pieces:
+                for p, off in _place(pieces, 0):
                     views.append(_view(p, len(regions), off, stride, nblk[g]))
-                    off += p.nbytes
                 regions.append(stride * nblk[g])
             else:
                 for p in pieces:
@@ -152,9 +176,9 @@ def _block_major(groups: list[list[list[_Piece]]], nblk: tuple[int, ...], packed
         stride = sum(p.nbytes for pieces in layers for p in pieces)
         off = 0
         for pieces in layers:
-            for p in pieces:
-                views.append(_view(p, len(regions), off, stride, nblk[g]))
-                off += p.nbytes
+            for p, at in _place(pieces, off):
+                views.append(_view(p, len(regions), at, stride, nblk[g]))
+            off += sum(p.nbytes for p in pieces)
         regions.append(max(stride, 1) * nblk[g])
     return regions, views, list(range(len(groups)))
 
@@ -167,8 +191,6 @@ def _shared_pool(groups: list[list[list[_Piece]]], nblk: tuple[int, ...], packed
     views: list[View] = []
     for layers in groups:
         for k, pieces in enumerate(layers):
-            off = 0
-            for p in pieces:
-                views.append(_view(p, k, off, page, nblk[0]))
-                off += p.nbytes
+            for p, at in _place(pieces, 0):
+                views.append(_view(p, k, at, page, nblk[0]))
     return [page * nblk[0]] * depth, views, [0] * len(groups)

@@ -20,8 +20,10 @@ name is refused by NIXL unless the old entry is removed first.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
+import struct
 import threading
 import time
 from typing import Any, NoReturn
@@ -51,24 +53,45 @@ _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
 )
 _CAUGHT: tuple[type[BaseException], ...] = (*_NIXL_ERRORS, RuntimeError)
 
-# NIXL's serialised agent metadata starts with this tag, a little-endian u64 length and
-# the agent name (nixlSerDes format). Parsed only to find the name of a peer to replace.
-_MD_TAG = b"nixlSerDes|Agent"
-_MAX_NAME_BYTES = 4096
+# Metadata travels in an envelope: magic+version, name and blob lengths, the agent name,
+# NIXL's own metadata blob and a BLAKE2b digest of all that. NIXL cannot be handed a
+# damaged blob safely: one truncated by a byte half-loads and leaves that agent name
+# unusable for the rest of the process (measured: every later load raises
+# NIXL_ERR_INVALID_PARAM, even after remove_remote_agent).
+_MAGIC = b"KVBNIXL1"
+_HEAD = struct.Struct("<8sHI")
+_DIGEST_BYTES = 16
 
 
-def _metadata_name(metadata: bytes) -> str | None:
-    """Agent name inside NIXL metadata, or ``None`` when it cannot be parsed."""
-    start = len(_MD_TAG) + 8
-    if not metadata.startswith(_MD_TAG) or len(metadata) < start:
-        return None
-    size = int.from_bytes(metadata[len(_MD_TAG) : start], "little")
-    if not 0 < size <= _MAX_NAME_BYTES or len(metadata) < start + size:
-        return None
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
+
+
+def _seal(name: str, blob: bytes) -> bytes:
+    """Wrap NIXL metadata ``blob`` of agent ``name`` in kvbridge's checked envelope."""
+    raw_name = name.encode()
+    body = _HEAD.pack(_MAGIC, len(raw_name), len(blob)) + raw_name + blob
+    return body + _digest(body)
+
+
+def _unseal(data: object) -> tuple[str, bytes]:
+    """``(agent name, NIXL blob)`` from an envelope; :class:`PeerError` if damaged."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise PeerError(f"peer metadata must be bytes, got {type(data).__name__}")
+    md = bytes(data)
+    if len(md) < _HEAD.size + _DIGEST_BYTES or not md.startswith(_MAGIC):
+        raise PeerError(f"not kvbridge NIXL metadata ({len(md)} B, head {md[:16]!r})")
+    _, name_len, blob_len = _HEAD.unpack_from(md)
+    body_len = _HEAD.size + name_len + blob_len
+    if len(md) != body_len + _DIGEST_BYTES:
+        raise PeerError(f"peer metadata is {len(md)} B, its header says {body_len + 16} B")
+    if _digest(md[:body_len]) != md[body_len:]:
+        raise PeerError(f"peer metadata ({len(md)} B) fails its digest check")
     try:
-        return metadata[start : start + size].decode()
-    except UnicodeDecodeError:
-        return None
+        name = md[_HEAD.size : _HEAD.size + name_len].decode()
+    except UnicodeDecodeError as exc:
+        raise PeerError(f"peer name is not UTF-8: {exc}") from exc
+    return name, md[_HEAD.size + name_len : body_len]
 
 
 def _describe(exc: BaseException) -> str:
@@ -188,48 +211,57 @@ class NixlTransport(Transport):
         try:
             reg = _nb.nixlRegDList(_nb.DRAM_SEG, rows.reshape(-1, 3))
             agent.register_memory(reg)
-            with self._lock:
-                self._regs.append(reg)
-            return bytes(agent.get_agent_metadata())
         except _CAUGHT as exc:
             raise TransportError(f"cannot register {regions!r}: {_describe(exc)}") from exc
+        with self._lock:
+            self._regs.append(reg)
+        return self.metadata()
 
     def metadata(self) -> bytes:
-        """This agent's current metadata (bytes), to send to peers."""
+        """This agent's current metadata (bytes, sealed) for peers' :meth:`add_peer`."""
         try:
-            return bytes(self._check_open().get_agent_metadata())
+            blob = bytes(self._check_open().get_agent_metadata())
         except _CAUGHT as exc:
             raise TransportError(f"cannot read metadata: {_describe(exc)}") from exc
+        return _seal(self.name, blob)
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its agent name.
+        """Load a peer's metadata (from its :meth:`metadata`); returns its agent name.
 
-        Adding the same metadata again is a no-op. New metadata under a known name (a
-        restarted peer) replaces the old entry: the old one is removed first, which
-        fails that peer's live transfers. Malformed metadata raises :class:`PeerError`.
+        The same metadata again is a no-op. Metadata that NIXL refuses under a known name
+        (a restarted peer) replaces the old entry: the old one is removed first, which
+        fails that peer's live transfers. Damaged metadata raises :class:`PeerError`.
         """
-        agent = self._check_open()
-        if not isinstance(metadata, bytes | bytearray | memoryview):
-            raise PeerError(f"peer metadata must be bytes, got {type(metadata).__name__}")
-        md = bytes(metadata)
-        name = _metadata_name(md)
-        if name is None:
-            raise PeerError(f"malformed NIXL metadata ({len(md)} B, head {md[:24]!r})")
+        self._check_open()
+        name, blob = _unseal(metadata)
         if name == self.name:
             raise PeerError(f"peer metadata carries this agent's own name {name!r}")
+        md = bytes(metadata)
         with self._lock:
             known = self._peers.get(name)
         if known == md:
             return name
         if known is not None:
+            try:
+                return self._load(name, blob, md)
+            except PeerError as err:
+                if not isinstance(err.__cause__, _nb.nixlNotAllowedError):
+                    raise
             self.remove_peer(name)
+        return self._load(name, blob, md)
+
+    def _load(self, name: str, blob: bytes, md: bytes) -> str:
+        """Hand ``blob`` to NIXL and remember peer ``name`` with its sealed ``md``."""
+        agent = self._check_open()
         try:
-            loaded = agent.add_remote_agent(md)
+            loaded = agent.add_remote_agent(blob)
         except _CAUGHT as exc:
-            raise PeerError(f"rejected metadata of peer {name!r}: {_describe(exc)}") from exc
+            raise PeerError(f"NIXL rejected metadata of peer {name!r}: {_describe(exc)}") from exc
         peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if peer != name:
-            agent.remove_remote_agent(peer)
+            with self._lock:
+                if peer not in self._peers:
+                    agent.remove_remote_agent(peer)
             raise PeerError(f"metadata names {name!r} but NIXL loaded {peer!r}")
         with self._lock:
             self._peers[peer] = md

@@ -1,0 +1,41 @@
+"""``kvbridge`` command line: one module per subcommand, each with ``register(sub)``.
+
+Exit codes: 0 success, 1 a failed check (e.g. demo mismatch), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvbridge.errors import KVBridgeError
+
+COMMANDS = ("plan", "bench", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"kvbridge.cli.{name}_cmd")
+        except ModuleNotFoundError as e:
+            if e.name != f"kvbridge.cli.{name}_cmd":
+                raise
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except KVBridgeError as e:
+        print(f"kvbridge: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

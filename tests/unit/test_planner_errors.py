@@ -1,0 +1,104 @@
+"""Bad input to the planner: typed errors, nothing written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import IncompatibleError, LayoutError, PlanError, SpecError, TransportError
+from kvbridge.layout import build_layout
+from kvbridge.layout.view import RankLayout, View
+from kvbridge.plan import Bound, Geometry
+from kvbridge.spec import DType, Parallel, attention, group_by_kind
+from kvbridge.transport.base import Region
+from kvbridge.transport.loopback import Fabric, LoopbackTransport
+
+SPEC = group_by_kind("t", [attention(i, 4, 16) for i in range(2)], 16)
+
+
+def geometry(spec=SPEC, d_spec=SPEC, p_tp=1, d_tp=1, blocks=10):
+    p_lay = [build_layout(spec, Parallel(p_tp), r, "nhd", blocks) for r in range(p_tp)]
+    d_lay = build_layout(d_spec, Parallel(d_tp), 0, "hnd", blocks)
+    p_b = [Bound(lay, tuple(1 << 20 for _ in lay.regions)) for lay in p_lay]
+    return Geometry(
+        spec, d_spec, Parallel(p_tp), Parallel(d_tp), p_b, Bound(d_lay, (1 << 30,) * 2), 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("p_ids", "d_ids", "match"),
+    [
+        ([0, 1, 10], [0, 1, 2], r"P block ids span \[0, 10\]; valid are \[0, 10\)"),
+        ([0, -1, 2], [0, 1, 2], r"P block ids span \[-1, 2\]"),
+        ([0, 1, 2], [0, 1, 99], r"D block ids span \[0, 99\]"),
+        ([0, 1], [0, 1, 2], r"P table has 2 entries; 40 tokens need 3"),
+        ([0, 1, 2], [0, 1], r"D table has 2 entries; 40 tokens need 3"),
+        ([0, 1, 2], [4, 5, 4], r"D block id 4 is used twice"),
+    ],
+)
+def test_bad_block_ids(p_ids, d_ids, match):
+    with pytest.raises(PlanError, match=match):
+        geometry().plan(40, [p_ids], [d_ids])
+
+
+def test_bad_token_counts():
+    g = geometry()
+    with pytest.raises(PlanError, match="n_tokens=0"):
+        g.plan(0, [[0]], [[0]])
+    with pytest.raises(PlanError, match="cached=5"):
+        g.plan(3, [[0]], [[0]], cached=5)
+    with pytest.raises(PlanError, match="2 P and 1 D block tables for 1 groups"):
+        g.plan(3, [[0], [1]], [[0]])
+
+
+def test_specs_that_disagree():
+    other = group_by_kind("t", [attention(i, 4, 16, DType.FP16) for i in range(2)], 16)
+    with pytest.raises(IncompatibleError, match="store different bytes"):
+        geometry(d_spec=other)
+    # block sizes may differ: not an incompatibility
+    geometry(d_spec=SPEC.with_block_sizes(32))
+
+
+def test_impossible_tp_names_the_values():
+    spec = group_by_kind("t", [attention(0, 6, 16)])
+    with pytest.raises(SpecError, match="6 units cannot be split over TP 4"):
+        spec.check_tp(4)
+    with pytest.raises(SpecError, match="layer 0 stream 'k'"):
+        build_layout(spec, Parallel(4), 0, "nhd", 4)
+
+
+def test_view_leaving_its_region():
+    lay = build_layout(SPEC, Parallel(1), 0, "nhd", 4)
+    v = lay.views[0]
+    bad = View(v.layer, "x", 0, lay.regions[0] - 8, *vars_of(v))
+    with pytest.raises(LayoutError, match="spans bytes"):
+        RankLayout(lay.regions, (*lay.views, bad), lay.block_sizes, lay.num_blocks, lay.pools)
+
+
+def vars_of(v: View) -> tuple:
+    return (
+        v.block_stride,
+        v.rows,
+        v.blocks,
+        v.seg_units,
+        v.seg_offsets,
+        v.row_strides,
+        v.unit_strides,
+        v.unit_bytes,
+    )
+
+
+def test_loopback_refuses_runs_outside_registered_memory_and_writes_nothing():
+    fabric = Fabric()
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    a, b = LoopbackTransport("a", fabric), LoopbackTransport("b", fabric)
+    peer = b.add_peer(a.register([Region(src.ctypes.data, 256)]))
+    b.register([Region(dst.ctypes.data, 256)])
+    addr = np.array([src.ctypes.data, src.ctypes.data + 200], np.uint64)
+    local = np.array([dst.ctypes.data, dst.ctypes.data + 100], np.uint64)
+    with pytest.raises(TransportError, match="source run 1"):
+        b.read(peer, local, addr, np.array([16, 100], np.uint64))
+    assert not dst.any()
+    b.read(peer, local, addr, np.array([16, 56], np.uint64))
+    assert (dst[:16] == src[:16]).all() and (dst[100:156] == src[200:256]).all()
