@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.errors import IncompatibleError, PlanError
-from kvbridge.plan.geometry import Bound, Bucket, concat_fine, fine_runs, rule_key, tile_of
+from kvbridge.plan.geometry import Bound, Bucket, Pattern, concat_fine, fine_runs, rule_key, tile_of
 from kvbridge.plan.plan import Plan, Use
-from kvbridge.plan.runs import merge_adjacent
-from kvbridge.spec.model import ModelSpec
+from kvbridge.plan.runs import Runs
+from kvbridge.spec.model import Layer, ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.topology.sources import sources
 
@@ -73,7 +74,8 @@ class Geometry:
         for key, fines in parts.items():
             g = key[0]
             tile = tile_of(spec_p, spec_d, g)[0]
-            bucket = Bucket(g, key[2], rules[key], tile, concat_fine(fines))
+            single = state_or_equal(spec_p, spec_d, g)
+            bucket = Bucket(g, key[2], rules[key], tile, single, concat_fine(fines))
             buckets.setdefault(g, []).append(bucket)
         groups = []
         for g in range(len(spec_d.groups)):
@@ -124,13 +126,13 @@ class Geometry:
             dtab = _table(d_tables[g], gg.d_blocks, n_tokens, gg, gg.bd, "D", g)
             first = n_tokens
             for b in gg.buckets:
-                a, e = b.rule.needed_tokens(n_tokens, cached)
-                if a >= e:
+                spans = _spans(b.rule, n_tokens, cached, gg.tile)
+                if not spans:
                     continue
-                first = min(first, a)
-                for k_lo, k_hi, s, t in _tile_spans(a, e, gg.tile):
+                first = min(first, spans[0][4])
+                out = chunks.setdefault(b.src_rank, [])
+                for k_lo, k_hi, s, t, _ in spans:
                     pat = b.pattern(s, t)
-                    out = chunks.setdefault(b.src_rank, [])
                     out.append(_apply(pat, ptab, dtab, k_lo, k_hi, gg.np_, gg.nd))
                     uses.append(Use(b.src_rank, pat, k_hi - k_lo))
             if first < n_tokens:
@@ -141,10 +143,24 @@ class Geometry:
         runs = {}
         for src, parts in chunks.items():
             if len(parts) == 1:
-                runs[src] = merge_adjacent(*parts[0])
+                runs[src] = Runs(*parts[0])
             else:
-                runs[src] = merge_adjacent(*(np.concatenate(c) for c in zip(*parts, strict=True)))
+                runs[src] = Runs(*(np.concatenate(c) for c in zip(*parts, strict=True)))
         return Plan(runs, uses)
+
+
+def state_or_equal(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> bool:
+    """True when a tile holds one block on each side."""
+    return spec_d.is_state_group(g) or (spec_p.groups[g].block_size == spec_d.groups[g].block_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans(rule: Layer, n: int, cached: int, tile: int) -> tuple[tuple[int, ...], ...]:
+    """Tile spans ``(k_lo, k_hi, s, t, first token)`` of a layer rule's needed range."""
+    a, e = rule.needed_tokens(n, cached)
+    if a >= e:
+        return ()
+    return tuple((*span, a) for span in _tile_spans(a, e, tile))
 
 
 def _table(
@@ -159,8 +175,8 @@ def _table(
             f"entries; {n} tokens need {need}"
         )
     used = tab[:need]
-    lo, hi = int(used.min()), int(used.max())
-    if lo < 0 or hi >= limit:
+    if used.view(np.uint64).max() >= limit:  # negative ids wrap to huge values
+        lo, hi = int(used.min()), int(used.max())
         raise PlanError(f"group {g}: {side} block ids span [{lo}, {hi}]; valid are [0, {limit})")
     per_tile = gg.np_ if side == "P" else gg.nd
     span = -(-need // per_tile) * per_tile
@@ -190,26 +206,48 @@ def _tile_spans(a: int, e: int, tile: int) -> list[tuple[int, int, int, int]]:
 
 
 def _apply(
-    pat, ptab: np.ndarray, dtab: np.ndarray, k_lo: int, k_hi: int, np_: int, nd: int
+    pat: Pattern, ptab: np.ndarray, dtab: np.ndarray, k_lo: int, k_hi: int, np_: int, nd: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Addresses of pattern ``pat`` over tiles ``[k_lo, k_hi)``, ordered (run, tile)."""
-    if np_ == 1:
-        pid = ptab[k_lo:k_hi][None, :]
+    """Addresses of ``pat`` over tiles ``[k_lo, k_hi)``, ordered (run, tile).
+
+    Where the pattern is streakable, tiles whose ids continue on both sides join.
+    """
+    if np_ == 1 and nd == 1:
+        pid, did = ptab[k_lo:k_hi], dtab[k_lo:k_hi]
+        if pat.streakable and k_hi - k_lo > 1 and np.count_nonzero(pid[1:] - pid[:-1] == 1):
+            brk = (pid[1:] != pid[:-1] + 1) | (did[1:] != did[:-1] + 1)
+            if not brk.all():
+                return _streaks(pat, pid, did, brk)
     else:
         pid = ptab[k_lo * np_ : k_hi * np_].reshape(-1, np_)[:, pat.sbit].T
-    if nd == 1:
-        did = dtab[k_lo:k_hi][None, :]
-    else:
         did = dtab[k_lo * nd : k_hi * nd].reshape(-1, nd)[:, pat.dbit].T
-    src = (pat.soff[:, None] + pid * pat.sstr[:, None]).ravel()
-    dst = (pat.doff[:, None] + did * pat.dstr[:, None]).ravel()
+    src = _addresses(pat.soff_c, pid, pat.sstride, pat.sstr_c)
+    dst = _addresses(pat.doff_c, did, pat.dstride, pat.dstr_c)
     return src, dst, np.repeat(pat.length, k_hi - k_lo)
+
+
+def _addresses(off_c: np.ndarray, ids: np.ndarray, stride: int, stride_c: np.ndarray) -> np.ndarray:
+    """``off + id · stride`` for every (run, tile), flattened run-major."""
+    if stride and ids.ndim == 1:
+        return (off_c + ids * stride).ravel()
+    return (off_c + ids * stride_c).ravel()
+
+
+def _streaks(
+    pat: Pattern, pid: np.ndarray, did: np.ndarray, brk: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    starts = np.flatnonzero(np.concatenate(([True], brk)))
+    counts = np.diff(np.append(starts, pid.shape[0]))
+    src = _addresses(pat.soff_c, pid[starts], pat.sstride, pat.sstr_c)
+    dst = _addresses(pat.doff_c, did[starts], pat.dstride, pat.dstr_c)
+    return src, dst, (pat.len_c * counts).ravel()
 
 
 def _check_unique(ids: list[np.ndarray], pool: int) -> None:
     allids = np.concatenate(ids) if len(ids) > 1 else ids[0]
     if allids.shape[0] > 1:
         srt = np.sort(allids)
-        dup = srt[1:][srt[1:] == srt[:-1]]
-        if dup.shape[0]:
-            raise PlanError(f"D block id {int(dup[0])} is used twice (pool {pool})")
+        same = srt[1:] == srt[:-1]
+        if np.count_nonzero(same):
+            dup = int(srt[1:][same][0])
+            raise PlanError(f"D block id {dup} is used twice (pool {pool})")

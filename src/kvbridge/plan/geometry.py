@@ -50,6 +50,25 @@ class Pattern:
     length: np.ndarray
     nbytes: int
     kind_bytes: dict[Kind, int]
+    streakable: bool = False
+    """Every run fills its whole block stride on both sides, one block per side and
+    tile: runs of consecutive tiles with consecutive ids on both sides join."""
+    soff_c: np.ndarray = field(init=False, repr=False)
+    sstr_c: np.ndarray = field(init=False, repr=False)
+    doff_c: np.ndarray = field(init=False, repr=False)
+    dstr_c: np.ndarray = field(init=False, repr=False)
+    len_c: np.ndarray = field(init=False, repr=False)
+    sstride: int = field(init=False)
+    """The block stride shared by every run on the P side, or 0 if they differ."""
+    dstride: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        us, ud = np.unique(self.sstr), np.unique(self.dstr)
+        self.sstride = int(us[0]) if us.shape[0] == 1 else 0
+        self.dstride = int(ud[0]) if ud.shape[0] == 1 else 0
+        self.soff_c, self.sstr_c = self.soff[:, None], self.sstr[:, None]
+        self.doff_c, self.dstr_c = self.doff[:, None], self.dstr[:, None]
+        self.len_c = self.length[:, None]
 
 
 @dataclass
@@ -61,6 +80,8 @@ class Bucket:
     rule: Layer
     """A layer of the bucket; its ``needed_tokens`` gives the range for all."""
     tile: int
+    single: bool
+    """One block per side per tile."""
     fine: dict[str, np.ndarray]
     _patterns: dict[tuple[int, int], Pattern] = field(default_factory=dict)
 
@@ -68,7 +89,7 @@ class Bucket:
         """Runs for tokens ``[s, e)`` of the tile, coalesced; memoised per range."""
         pat = self._patterns.get((s, e))
         if pat is None:
-            pat = self._patterns[(s, e)] = _coalesce(self.fine, s, e)
+            pat = self._patterns[(s, e)] = _coalesce(self.fine, s, e, self.single)
         return pat
 
 
@@ -144,7 +165,7 @@ def _merge_sorted(f: dict[str, np.ndarray], same: tuple[str, ...]) -> dict[str, 
     return out
 
 
-def _coalesce(fine: dict[str, np.ndarray], s: int, e: int) -> Pattern:
+def _coalesce(fine: dict[str, np.ndarray], s: int, e: int, single: bool) -> Pattern:
     sel = (fine["token"] >= s) & (fine["token"] < e)
     f = {k: v[sel] for k, v in fine.items()}
     kind_bytes = {
@@ -153,6 +174,9 @@ def _coalesce(fine: dict[str, np.ndarray], s: int, e: int) -> Pattern:
     order = np.lexsort((f["soff"], f["sstr"], f["dstr"], f["dbit"], f["sbit"]))
     f = {k: v[order] for k, v in f.items()}
     m = _merge_sorted(f, same=("sbit", "dbit", "sstr", "dstr"))
+    ln = m["length"]
+    streak = bool((m["sbit"] == 0).all() and (m["dbit"] == 0).all() and single)
+    streak = streak and bool(((ln == m["sstr"]) & (ln == m["dstr"])).all())
     return Pattern(
         m["sbit"],
         m["soff"],
@@ -163,4 +187,5 @@ def _coalesce(fine: dict[str, np.ndarray], s: int, e: int) -> Pattern:
         m["length"],
         int(m["length"].sum()),
         kind_bytes,
+        streak,
     )

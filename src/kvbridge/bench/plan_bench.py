@@ -1,0 +1,105 @@
+"""Per-request planning time (``kvbridge bench plan``).
+
+Geometry is built once per pair (as at handshake); each timed call plans one request
+for one D rank from block tables. Addresses are synthetic: planning touches no memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvbridge.bench.shapes import llama
+from kvbridge.layout import build_layout
+from kvbridge.plan import Bound, Geometry
+from kvbridge.spec import ModelSpec, Parallel
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    model: str
+    tokens: int
+    p_tp: int
+    d_tp: int
+    layout: str
+    block_ids: str
+    plan_us: float
+    descriptors: int
+    bytes: int
+    bytes_per_descriptor: float
+    geometry_ms: float
+
+
+def bound_all(spec: ModelSpec, par: Parallel, layout: str, blocks: int, base: int) -> list[Bound]:
+    """Layouts of every rank with synthetic, non-overlapping region addresses."""
+    out = []
+    for r in range(par.world):
+        lay = build_layout(spec, par, r, layout, blocks)
+        addrs, pos = [], base + (r << 40)
+        for n in lay.regions:
+            addrs.append(pos)
+            pos += n + 4096
+        out.append(Bound(lay, tuple(addrs)))
+    return out
+
+
+def run_case(
+    spec: ModelSpec,
+    p_tp: int,
+    d_tp: int,
+    layout: str,
+    tokens: int,
+    shuffled: bool,
+    blocks: int = 4000,
+    calls: int = 300,
+) -> PlanCase:
+    p_par, d_par = Parallel(p_tp), Parallel(d_tp)
+    p_b = bound_all(spec, p_par, layout, blocks, 1 << 44)
+    d_b = bound_all(spec, d_par, layout, blocks, 1 << 45)
+    t0 = time.perf_counter()
+    geom = Geometry(spec, spec, p_par, d_par, p_b, d_b[0], 0)
+    geo_ms = (time.perf_counter() - t0) * 1e3
+    need = -(-tokens // spec.groups[0].block_size)
+    rng = np.random.default_rng(0)
+    if shuffled:
+        p_ids = [rng.permutation(blocks)[:need]]
+        d_ids = [rng.permutation(blocks)[:need]]
+    else:
+        p_ids, d_ids = [np.arange(7, 7 + need)], [np.arange(100, 100 + need)]
+    times = []
+    for _ in range(calls + 20):
+        t = time.perf_counter_ns()
+        plan = geom.plan(tokens, p_ids, d_ids)
+        times.append(time.perf_counter_ns() - t)
+    us = float(np.median(times[20:])) / 1e3
+    return PlanCase(
+        spec.name,
+        tokens,
+        p_tp,
+        d_tp,
+        layout,
+        "shuffled" if shuffled else "consecutive",
+        round(us, 2),
+        plan.descriptors,
+        plan.nbytes,
+        round(plan.nbytes / max(plan.descriptors, 1), 1),
+        round(geo_ms, 2),
+    )
+
+
+def cases(calls: int = 300) -> list[PlanCase]:
+    out = []
+    l8, l70 = llama(32), llama(80)
+    for shuffled in (False, True):
+        out.append(run_case(l8, 1, 1, "nhd", 1024, shuffled, calls=calls))
+        out.append(run_case(l8, 1, 1, "hnd", 1024, shuffled, calls=calls))
+        out.append(run_case(l8, 1, 2, "hnd", 1024, shuffled, calls=calls))
+        out.append(run_case(l8, 1, 2, "nhd", 1024, shuffled, calls=calls))
+        out.append(run_case(l70, 2, 4, "hnd", 32768, shuffled, calls=max(calls // 3, 200)))
+    return out
+
+
+def as_dicts(rows: list[PlanCase]) -> list[dict[str, object]]:
+    return [asdict(r) for r in rows]
