@@ -1,0 +1,1 @@
+"""Control: side channel, wire messages, leases (DESIGN §6)."""

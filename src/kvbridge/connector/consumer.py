@@ -1,0 +1,228 @@
+"""D side of the connector (DESIGN §7): one :class:`Consumer` per D rank.
+
+``load(handle, local block tables, cached tokens)`` queues a request; a worker thread
+runs its state machine and :meth:`Consumer.poll` returns finished and failed requests:
+
+    QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE
+       └──────────┴──────────┴─────────┴──► FAILED   (any error, deadline or lapsed lease)
+
+VERIFY asks P whether the lease was still held after the last byte landed; only then is
+the request DONE. While QUEUED, the lease is renewed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.peers import Peer, PeerCache
+from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
+from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, TransferTimeout
+from kvbridge.layout.view import RankLayout
+from kvbridge.plan.geometry import Bound
+from kvbridge.plan.runs import Runs
+from kvbridge.spec.model import ModelSpec
+from kvbridge.spec.parallel import Parallel
+from kvbridge.transport.base import Region, Transport, XferState
+
+log = logging.getLogger(__name__)
+
+
+class Policy(enum.StrEnum):
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+
+class LoadState(enum.Enum):
+    QUEUED = "queued"
+    HANDSHAKE = "handshake"
+    TRANSFER = "transfer"
+    VERIFY = "verify"
+    DONE = "done"
+    FAILED = "failed"
+
+
+TRANSITIONS = {
+    LoadState.QUEUED: {LoadState.HANDSHAKE, LoadState.FAILED},
+    LoadState.HANDSHAKE: {LoadState.TRANSFER, LoadState.FAILED},
+    LoadState.TRANSFER: {LoadState.VERIFY, LoadState.FAILED},
+    LoadState.VERIFY: {LoadState.DONE, LoadState.FAILED},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    request_id: str
+    ok: bool
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    failed_blocks: list[list[int]] = field(default_factory=list)
+    """Local block ids per group whose contents are not valid (failures only)."""
+    action: Policy = Policy.RECOMPUTE
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Load:
+    handle: TransferHandle
+    tables: list[list[int]]
+    cached: int
+    state: LoadState = LoadState.QUEUED
+
+    def move(self, to: LoadState) -> None:
+        assert to in TRANSITIONS[self.state], (self.state, to)
+        self.state = to
+
+
+class Consumer:
+    def __init__(
+        self,
+        engine_id: str,
+        spec: ModelSpec,
+        par: Parallel,
+        rank: int,
+        layout: RankLayout,
+        bases: list[int],
+        transport: Transport,
+        secret: bytes,
+        policy: Policy = Policy.RECOMPUTE,
+        transfer_timeout_s: float = 10.0,
+        workers: int = 2,
+    ):
+        self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
+        self.transport = transport
+        self.policy = policy
+        self.timeout_s = transfer_timeout_s
+        transport.register([Region(b, n) for b, n in zip(bases, layout.regions, strict=True)])
+        bound = Bound(layout, tuple(bases))
+        self.peers = PeerCache(engine_id, spec, par, rank, bound, transport, secret)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
+        self._lock = threading.Lock()
+        self._loads: dict[str, _Load] = {}
+        self._done: list[Outcome] = []
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, daemon=True)
+        self._renewer.start()
+
+    def load(self, handle: TransferHandle, tables: list[list[int]], cached: int = 0) -> None:
+        """Queue the transfer of ``handle``'s request into local ``tables``."""
+        job = _Load(handle, [list(map(int, t)) for t in tables], cached)
+        with self._lock:
+            if handle.request_id in self._loads:
+                raise KVBridgeError(f"request {handle.request_id!r} is already loading")
+            self._loads[handle.request_id] = job
+        self._pool.submit(self._run, job)
+
+    def poll(self) -> list[Outcome]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._loads)
+
+    def _run(self, job: _Load) -> None:
+        t0 = time.perf_counter()
+        try:
+            job.move(LoadState.HANDSHAKE)
+            peer = self.peers.get(job.handle)
+            self._lease(peer, job, "begin")
+            plan = peer.geometry.plan(
+                job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
+            )
+            job.move(LoadState.TRANSFER)
+            self._transfer(peer, plan.runs)
+            job.move(LoadState.VERIFY)
+            self._lease(peer, job, "confirm")
+            job.move(LoadState.DONE)
+            out = Outcome(
+                job.handle.request_id, True, plan.nbytes, plan.descriptors, time.perf_counter() - t0
+            )
+        except Exception as e:  # every failure ends the request, typed in `error`
+            if not isinstance(e, KVBridgeError):
+                log.exception("load of %s failed", job.handle.request_id)
+            job.state = LoadState.FAILED
+            self._report_failure(job)
+            out = Outcome(
+                job.handle.request_id,
+                False,
+                seconds=time.perf_counter() - t0,
+                failed_blocks=self._failed_blocks(job),
+                action=self.policy,
+                error=f"{type(e).__name__}: {e}",
+            )
+        with self._lock:
+            self._loads.pop(job.handle.request_id, None)
+            self._done.append(out)
+
+    def _transfer(self, peer: Peer, runs: dict[int, Runs]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        handles = []
+        try:
+            for src, r in runs.items():
+                s, d, n = r.as_uint64()
+                handles.append(self.transport.read(peer.agents[src], d, s, n))
+            for h in handles:
+                while self.transport.poll(h) is not XferState.DONE:
+                    if time.monotonic() > deadline:
+                        raise TransferTimeout(f"transfer not done within {self.timeout_s} s")
+                    time.sleep(0.0002)
+        finally:
+            for h in handles:
+                h.release()
+
+    def _lease(self, peer: Peer, job: _Load, op: LeaseOpName) -> LeaseReply:
+        h = job.handle
+        digest = tables_digest(h.block_tables, h.n_tokens)
+        msg = LeaseOp(
+            op, h.request_id, h.lease_id, digest, self.engine_id, self.rank, self.par.world
+        )
+        reply = peer.client.call(msg)
+        if not isinstance(reply, LeaseReply):
+            raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
+        if reply.state == "mismatch":
+            raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
+        if reply.state != "held":
+            raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
+        return reply
+
+    def _report_failure(self, job: _Load) -> None:
+        try:
+            peer = self.peers.known(job.handle)
+            if peer is not None:
+                self._lease(peer, job, "fail")
+        except KVBridgeError:
+            pass  # P will free the blocks at lease expiry
+
+    def _failed_blocks(self, job: _Load) -> list[list[int]]:
+        out = []
+        for g, grp in enumerate(self.spec.groups):
+            tab = job.tables[g] if g < len(job.tables) else []
+            first = 0 if self.spec.is_state_group(g) else job.cached // grp.block_size
+            out.append(tab[first:])
+        return out
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            with self._lock:
+                queued = [j for j in self._loads.values() if j.state is LoadState.QUEUED]
+            for job in queued:
+                peer = self.peers.known(job.handle)
+                if peer is None:
+                    continue
+                with contextlib.suppress(KVBridgeError):  # the load itself will find out
+                    self._lease(peer, job, "renew")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._renewer.join(timeout=2)
+        self.peers.close()

@@ -1,0 +1,100 @@
+"""D's knowledge of P instances: handshake once per (engine, epoch), geometry cached."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.control.channel import Client
+from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply, rank_layout
+from kvbridge.errors import IncompatibleError, PeerError
+from kvbridge.plan.build import Geometry
+from kvbridge.plan.geometry import Bound
+from kvbridge.spec.model import ModelSpec
+from kvbridge.spec.parallel import Parallel
+from kvbridge.transport.base import Transport
+
+
+@dataclass(slots=True)
+class Peer:
+    engine_id: str
+    epoch: str
+    client: Client
+    agents: dict[int, str]
+    geometry: Geometry
+
+
+class PeerCache:
+    def __init__(
+        self,
+        engine_id: str,
+        spec: ModelSpec,
+        par: Parallel,
+        rank: int,
+        bound: Bound,
+        transport: Transport,
+        secret: bytes,
+    ):
+        self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
+        self.bound, self.transport, self.secret = bound, transport, secret
+        self._lock = threading.Lock()
+        self._peers: dict[str, Peer] = {}
+
+    def known(self, handle: TransferHandle) -> Peer | None:
+        with self._lock:
+            return self._peers.get(handle.engine_id)
+
+    def get(self, handle: TransferHandle) -> Peer:
+        """The peer of ``handle``; handshakes if new or if P restarted (new epoch)."""
+        with self._lock:
+            peer = self._peers.get(handle.engine_id)
+            if peer is not None and peer.epoch == handle.epoch:
+                return peer
+            if peer is not None:
+                self._forget(peer)
+            peer = self._handshake(handle)
+            self._peers[handle.engine_id] = peer
+            return peer
+
+    def _handshake(self, handle: TransferHandle) -> Peer:
+        client = Client(handle.endpoint, self.secret)
+        reply = client.call(Handshake(PROTOCOL_VERSION, self.engine_id))
+        if not isinstance(reply, HandshakeReply):
+            raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
+        if reply.version != PROTOCOL_VERSION:
+            raise IncompatibleError(f"P speaks protocol {reply.version}, D {PROTOCOL_VERSION}")
+        if reply.compat_hash != self.spec.compat_hash():
+            raise IncompatibleError(
+                f"P model hash {reply.compat_hash} differs from D's {self.spec.compat_hash()}"
+            )
+        p_par = Parallel(reply.tp, reply.pp, tuple(tuple(s) for s in reply.stages))  # type: ignore[misc]
+        if len(reply.ranks) != p_par.world or [r.rank for r in reply.ranks] != list(
+            range(p_par.world)
+        ):
+            raise PeerError(f"handshake lists ranks {[r.rank for r in reply.ranks]}")
+        layouts = [rank_layout(info) for info in reply.ranks]
+        names = {g.name: bs for g, bs in zip(self.spec.groups, layouts[0].block_sizes, strict=True)}
+        spec_p = self.spec.with_block_sizes(names)
+        p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]
+        geometry = Geometry(spec_p, self.spec, p_par, self.par, p_bound, self.bound, self.rank)
+        agents = {}
+        for info in reply.ranks:
+            if info.rank in {pc for pc in _sources(geometry)}:
+                agents[info.rank] = self.transport.add_peer(info.agent)
+        return Peer(reply.engine_id, reply.epoch, client, agents, geometry)
+
+    def _forget(self, peer: Peer) -> None:
+        for name in peer.agents.values():
+            self.transport.remove_peer(name)
+        peer.client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for peer in self._peers.values():
+                self._forget(peer)
+            self._peers.clear()
+
+
+def _sources(geometry: Geometry) -> set[int]:
+    return {b.src_rank for g in geometry.groups for b in g.buckets}

@@ -1,0 +1,127 @@
+"""P side of the connector (DESIGN §7).
+
+:class:`ProducerWorker` (one per P rank) registers the rank's KV memory with its
+transport and describes it as a :class:`RankInfo`. :class:`Producer` (one per P
+instance, scheduler side) serves handshakes and leases on the side channel, returns a
+:class:`TransferHandle` per prefilled request and says which blocks may be freed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.control.channel import Server
+from kvbridge.control.lease import Freed, LeaseTable
+from kvbridge.control.messages import (
+    PROTOCOL_VERSION,
+    Handshake,
+    HandshakeReply,
+    LeaseOp,
+    Message,
+    RankInfo,
+    tables_digest,
+    wire_layout,
+)
+from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError
+from kvbridge.layout.view import RankLayout
+from kvbridge.spec.model import ModelSpec
+from kvbridge.spec.parallel import Parallel
+from kvbridge.transport.base import Region, Transport
+
+
+class ProducerWorker:
+    """Registers one P rank's regions (``bases[i]`` holds ``layout.regions[i]`` bytes)."""
+
+    def __init__(self, rank: int, layout: RankLayout, bases: list[int], transport: Transport):
+        self.rank = rank
+        self.transport = transport
+        regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
+        self.info = wire_layout(rank, layout, bases, transport.register(regions))
+
+
+class Producer:
+    def __init__(
+        self,
+        engine_id: str,
+        spec: ModelSpec,
+        par: Parallel,
+        secret: bytes,
+        lease_s: float = 30.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        self.engine_id = engine_id
+        self.spec = spec
+        self.par = par
+        self.epoch = secrets.token_hex(8)
+        self.leases = LeaseTable(lease_s)
+        self.ranks: dict[int, RankInfo] = {}
+        self.server = Server(self._handle, secret, host, port)
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def add_rank(self, info: RankInfo) -> None:
+        if not 0 <= info.rank < self.par.world:
+            raise KVBridgeError(f"rank {info.rank} outside P world {self.par.world}")
+        self.ranks[info.rank] = info
+
+    def prefill_done(
+        self, request_id: str, block_tables: list[list[int]], n_tokens: int, payload: bytes = b""
+    ) -> TransferHandle:
+        """Hold ``block_tables`` under a lease; the handle goes to the router."""
+        tables = [[int(b) for b in t] for t in block_tables]
+        lease_id = secrets.token_hex(8)
+        digest = tables_digest(tables, n_tokens)
+        self.leases.grant(request_id, lease_id, tables, digest)
+        deadline = time.time() + self.leases.lease_s
+        return TransferHandle(
+            self.engine_id,
+            self.endpoint,
+            self.epoch,
+            request_id,
+            lease_id,
+            n_tokens,
+            tables,
+            deadline,
+            payload,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        return self.leases.abort(request_id)
+
+    def freed(self) -> list[Freed]:
+        """Requests whose blocks may be reused now (each reported once)."""
+        return self.leases.drain_freed()
+
+    def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, Handshake):
+            return self._handshake(msg)
+        if isinstance(msg, LeaseOp):
+            return self.leases.on_op(msg)
+        raise PeerError(f"unexpected message {type(msg).__name__}")
+
+    def _handshake(self, msg: Handshake) -> HandshakeReply:
+        if msg.version != PROTOCOL_VERSION:
+            raise IncompatibleError(
+                f"protocol version {msg.version} from {msg.d_engine!r}; P speaks {PROTOCOL_VERSION}"
+            )
+        if len(self.ranks) != self.par.world:
+            raise KVBridgeError(f"P has {len(self.ranks)} of {self.par.world} ranks registered")
+        stages = list(self.par.stage_ranges(len(self.spec.layers)))
+        return HandshakeReply(
+            PROTOCOL_VERSION,
+            self.engine_id,
+            self.epoch,
+            self.spec.compat_hash(),
+            self.par.tp,
+            self.par.pp,
+            stages,
+            [self.ranks[r] for r in range(self.par.world)],
+        )
+
+    def close(self) -> None:
+        self.server.close()

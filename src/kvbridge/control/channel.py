@@ -1,0 +1,119 @@
+"""The side channel: a ZMQ ROUTER server thread on P, REQ-style clients on D.
+
+The server answers every frame with exactly one frame; a frame it cannot authenticate
+or decode gets an :class:`ErrorReply` and the server goes on serving other peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from kvbridge.control.messages import ErrorReply, Message, seal, unseal
+from kvbridge.errors import KVBridgeError, PeerError, TransportError
+
+log = logging.getLogger(__name__)
+Handler = Callable[[Message], Message]
+
+
+class Server:
+    """Serves ``handler`` on ``tcp://host:port`` (port 0: any free port)."""
+
+    def __init__(self, handler: Handler, secret: bytes, host: str = "127.0.0.1", port: int = 0):
+        self.handler = handler
+        self.secret = secret
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name="kvbridge-sidechannel", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            parts = self._sock.recv_multipart()
+            if len(parts) != 3 or parts[1] != b"":
+                continue  # not a REQ-style envelope: drop
+            self._sock.send_multipart([parts[0], b"", seal(self._answer(parts[2]), self.secret)])
+        self._sock.close(0)
+
+    def _answer(self, frame: bytes) -> Message:
+        try:
+            return self.handler(unseal(frame, self.secret))
+        except KVBridgeError as e:
+            return ErrorReply(type(e).__name__, str(e))
+        except Exception as e:  # a handler bug must not take the channel down
+            log.exception("side channel handler failed")
+            return ErrorReply("InternalError", f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._ctx.term()
+
+
+class Client:
+    """Blocking request/reply to one endpoint with a timeout; thread-safe."""
+
+    def __init__(self, endpoint: str, secret: bytes, timeout_s: float = 5.0):
+        self.endpoint = endpoint
+        self.secret = secret
+        self.timeout_ms = int(timeout_s * 1000)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.REQ)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+            s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+            s.connect(self.endpoint)
+            self._sock = s
+        return self._sock
+
+    def call(self, msg: Message) -> Message:
+        """Send ``msg``, return the reply; an :class:`ErrorReply` is raised as PeerError."""
+        with self._lock:
+            sock = self._socket()
+            try:
+                sock.send(seal(msg, self.secret))
+                frame = sock.recv()
+            except zmq.Again:
+                self._reset()
+                raise TransportError(
+                    f"side channel {self.endpoint}: no reply within {self.timeout_ms} ms"
+                ) from None
+            except zmq.ZMQError as e:
+                self._reset()
+                raise TransportError(f"side channel {self.endpoint}: {e}") from None
+        reply = unseal(frame, self.secret)
+        if isinstance(reply, ErrorReply):
+            raise PeerError(f"{self.endpoint} refused: {reply.kind}: {reply.message}")
+        return reply
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()

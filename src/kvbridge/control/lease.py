@@ -1,0 +1,138 @@
+"""P-side leases: one state machine per request (DESIGN §6).
+
+    HELD ──all D ranks reported──► DONE
+      │ ──abort────────────────► ABORTED
+      └─deadline passed────────► EXPIRED
+
+Leaving HELD frees the request's blocks exactly once. A D rank's ``confirm`` is
+answered ``held`` only while the lease is HELD and before its deadline; anything later
+(or a request P does not know) is ``expired``, so D never reports success for bytes
+read after P may have reused the blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvbridge.control.messages import LeaseOp, LeaseReply
+
+
+class LeaseState(enum.Enum):
+    HELD = "held"
+    DONE = "done"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+class Event(enum.Enum):
+    ALL_REPORTED = "all_reported"
+    ABORT = "abort"
+    DEADLINE = "deadline"
+
+
+TRANSITIONS: dict[tuple[LeaseState, Event], LeaseState] = {
+    (LeaseState.HELD, Event.ALL_REPORTED): LeaseState.DONE,
+    (LeaseState.HELD, Event.ABORT): LeaseState.ABORTED,
+    (LeaseState.HELD, Event.DEADLINE): LeaseState.EXPIRED,
+}
+
+
+@dataclass(slots=True)
+class Lease:
+    request_id: str
+    lease_id: str
+    tables: list[list[int]]
+    digest: str
+    deadline: float
+    state: LeaseState = LeaseState.HELD
+    reported: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class Freed:
+    """Blocks the P engine may reuse now."""
+
+    request_id: str
+    tables: list[list[int]]
+    reason: LeaseState
+
+
+class LeaseTable:
+    """Thread-safe; time is ``time.monotonic()`` unless a clock is given."""
+
+    def __init__(
+        self, lease_s: float, clock: Callable[[], float] = time.monotonic, keep: int = 10000
+    ):
+        self.lease_s = lease_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[str, Lease] = {}
+        self._finished: OrderedDict[str, LeaseState] = OrderedDict()
+        self._keep = keep
+        self._freed: list[Freed] = []
+
+    def grant(self, request_id: str, lease_id: str, tables: list[list[int]], digest: str) -> Lease:
+        with self._lock:
+            if request_id in self._held:
+                raise ValueError(f"request {request_id!r} already holds a lease")
+            lease = Lease(request_id, lease_id, tables, digest, self.clock() + self.lease_s)
+            self._held[request_id] = lease
+            return lease
+
+    def on_op(self, op: LeaseOp) -> LeaseReply:
+        with self._lock:
+            self._expire_locked()
+            lease = self._held.get(op.request_id)
+            if lease is None or lease.lease_id != op.lease_id:
+                return LeaseReply("expired", 0.0)
+            if op.tables_digest != lease.digest:
+                return LeaseReply("mismatch", 0.0)
+            if op.op in ("begin", "renew"):
+                lease.deadline = max(lease.deadline, self.clock() + self.lease_s)
+            elif op.d_rank not in range(op.d_world):
+                return LeaseReply("mismatch", 0.0)
+            else:  # confirm / fail: this D rank is finished with the blocks
+                lease.reported.add(op.d_rank)
+                if len(lease.reported) >= op.d_world:
+                    self._move(lease, Event.ALL_REPORTED)
+            return LeaseReply("held", lease.deadline)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            lease = self._held.get(request_id)
+            if lease is None:
+                return False
+            self._move(lease, Event.ABORT)
+            return True
+
+    def tick(self) -> None:
+        with self._lock:
+            self._expire_locked()
+
+    def drain_freed(self) -> list[Freed]:
+        with self._lock:
+            self._expire_locked()
+            out, self._freed = self._freed, []
+            return out
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _expire_locked(self) -> None:
+        now = self.clock()
+        for lease in [x for x in self._held.values() if x.deadline <= now]:
+            self._move(lease, Event.DEADLINE)
+
+    def _move(self, lease: Lease, event: Event) -> None:
+        lease.state = TRANSITIONS[(lease.state, event)]
+        del self._held[lease.request_id]
+        self._finished[lease.request_id] = lease.state
+        while len(self._finished) > self._keep:
+            self._finished.popitem(last=False)
+        self._freed.append(Freed(lease.request_id, lease.tables, lease.state))

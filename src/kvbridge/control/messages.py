@@ -1,0 +1,192 @@
+"""Typed, versioned wire messages of the side channel (DESIGN §6).
+
+Every frame is ``HMAC-SHA256(secret, body) ‖ body`` with ``body`` a msgpack-encoded
+:data:`Message`. The tag is checked before the body is decoded; frames larger than
+:data:`MAX_FRAME` are refused unread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Literal
+
+import msgspec
+
+from kvbridge.errors import LayoutError, PeerError
+from kvbridge.layout.view import RankLayout, View
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 8 << 20
+TAG_BYTES = 32
+
+
+class WireView(msgspec.Struct, array_like=True, frozen=True):
+    layer: int
+    stream: str
+    region: int
+    offset: int
+    block_stride: int
+    rows: int
+    blocks: int
+    seg_units: list[tuple[int, int]]
+    seg_offsets: list[int]
+    row_strides: list[int]
+    unit_strides: list[int]
+    unit_bytes: list[int]
+
+
+class RankInfo(msgspec.Struct, frozen=True):
+    """One P (or, for push, D) rank: its layout, region addresses, transport metadata."""
+
+    rank: int
+    regions: list[int]
+    views: list[WireView]
+    block_sizes: list[int]
+    num_blocks: list[int]
+    pools: list[int]
+    bases: list[int]
+    agent: bytes
+
+
+class Handshake(msgspec.Struct, tag="handshake", frozen=True):
+    version: int
+    d_engine: str
+
+
+class HandshakeReply(msgspec.Struct, tag="handshake_reply", frozen=True):
+    version: int
+    engine_id: str
+    epoch: str
+    """Changes whenever the P instance restarts (new memory, new agents)."""
+    compat_hash: str
+    tp: int
+    pp: int
+    stages: list[tuple[int, int]]
+    ranks: list[RankInfo]
+
+
+LeaseOpName = Literal["begin", "renew", "confirm", "fail"]
+
+
+class LeaseOp(msgspec.Struct, tag="lease", frozen=True):
+    """D → P about one request. ``begin`` checks the handle's tables against P's."""
+
+    op: LeaseOpName
+    request_id: str
+    lease_id: str
+    tables_digest: str
+    d_engine: str
+    d_rank: int
+    d_world: int
+
+
+class LeaseReply(msgspec.Struct, tag="lease_reply", frozen=True):
+    state: Literal["held", "expired", "mismatch"]
+    deadline: float
+
+
+class ErrorReply(msgspec.Struct, tag="error", frozen=True):
+    kind: str
+    message: str
+
+
+Message = Handshake | HandshakeReply | LeaseOp | LeaseReply | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def seal(msg: Message, secret: bytes) -> bytes:
+    body = _encoder.encode(msg)
+    return hmac.new(secret, body, hashlib.sha256).digest() + body
+
+
+def unseal(frame: bytes, secret: bytes) -> Message:
+    """Check size and tag, then decode; :class:`PeerError` for anything wrong."""
+    if len(frame) > MAX_FRAME:
+        raise PeerError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME}-byte limit")
+    if len(frame) <= TAG_BYTES:
+        raise PeerError(f"frame of {len(frame)} bytes is too short to carry a tag")
+    tag, body = frame[:TAG_BYTES], frame[TAG_BYTES:]
+    if not hmac.compare_digest(tag, hmac.new(secret, body, hashlib.sha256).digest()):
+        raise PeerError("frame authentication failed (wrong secret or altered message)")
+    try:
+        msg: Message = _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise PeerError(f"malformed message: {e}") from None
+    return msg
+
+
+def tables_digest(tables: list[list[int]], n_tokens: int) -> str:
+    text = f"{n_tokens}:" + ";".join(",".join(map(str, t)) for t in tables)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def wire_layout(rank: int, layout: RankLayout, bases: list[int], agent: bytes) -> RankInfo:
+    views = [
+        WireView(
+            v.layer,
+            v.stream,
+            v.region,
+            v.offset,
+            v.block_stride,
+            v.rows,
+            v.blocks,
+            list(v.seg_units),
+            list(v.seg_offsets),
+            list(v.row_strides),
+            list(v.unit_strides),
+            list(v.unit_bytes),
+        )
+        for v in layout.views
+    ]
+    return RankInfo(
+        rank,
+        list(layout.regions),
+        views,
+        list(layout.block_sizes),
+        list(layout.num_blocks),
+        list(layout.pools),
+        bases,
+        agent,
+    )
+
+
+def rank_layout(info: RankInfo) -> RankLayout:
+    """Rebuild a :class:`RankLayout` from the wire; its checks reject views outside regions."""
+    try:
+        return _rank_layout(info)
+    except (LayoutError, ValueError, TypeError, IndexError) as e:
+        raise PeerError(f"rank {info.rank}: layout from peer rejected: {e}") from None
+
+
+def _rank_layout(info: RankInfo) -> RankLayout:
+    views = tuple(
+        View(
+            w.layer,
+            w.stream,
+            w.region,
+            w.offset,
+            w.block_stride,
+            w.rows,
+            w.blocks,
+            tuple(tuple(p) for p in w.seg_units),  # type: ignore[misc]
+            tuple(w.seg_offsets),
+            tuple(w.row_strides),
+            tuple(w.unit_strides),
+            tuple(w.unit_bytes),
+        )
+        for w in info.views
+    )
+    if len(info.bases) != len(info.regions):
+        raise PeerError(
+            f"rank {info.rank}: {len(info.bases)} bases for {len(info.regions)} regions"
+        )
+    return RankLayout(
+        tuple(info.regions),
+        views,
+        tuple(info.block_sizes),
+        tuple(info.num_blocks),
+        tuple(info.pools),
+    )

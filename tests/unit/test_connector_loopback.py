@@ -1,0 +1,222 @@
+"""Producer/Consumer over the side channel with the loopback transport, in one process."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.connector.consumer import Consumer, Outcome
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.producer import Producer, ProducerWorker
+from kvbridge.control.channel import Client
+from kvbridge.control.lease import LeaseState
+from kvbridge.control.messages import ErrorReply, Handshake, Message, unseal
+from kvbridge.errors import PeerError
+from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
+from kvbridge.testing.reference import expected_dest, fill_source
+from kvbridge.testing.scenario import Side, random_tables
+from kvbridge.transport.loopback import Fabric, LoopbackTransport
+
+SECRET = b"test-secret"
+LAYERS = [attention(0, 4, 16), attention(1, 4, 16, kind=Kind.SLIDING, window=9), mla(2, 24)]
+SPEC = group_by_kind("toy", LAYERS, 16)
+
+
+def sign(body: bytes, secret: bytes = SECRET) -> bytes:
+    return hmac.new(secret, body, hashlib.sha256).digest() + body
+
+
+def raw_call(endpoint: str, frame: bytes) -> Message:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(endpoint)
+    try:
+        sock.send(frame)
+        return unseal(sock.recv(), SECRET)
+    finally:
+        sock.close()
+
+
+class World:
+    def __init__(self, lease_s: float = 30.0, p_tp: int = 2, d_tp: int = 1):
+        self.rng = np.random.default_rng(7)
+        self.p = Side(SPEC, Parallel(p_tp), "hnd", 32)
+        self.d = Side(SPEC.with_block_sizes(8), Parallel(d_tp), "block-major", 64)
+        self.p.allocate(self.rng)
+        self.d.allocate(self.rng)
+        self.fabric = Fabric()
+        self.producer = Producer("P", SPEC, self.p.par, SECRET, lease_s=lease_s)
+        for r in range(p_tp):
+            agent = LoopbackTransport(f"p{r}", self.fabric)
+            bases = list(self.p.bound(r).bases)
+            self.producer.add_rank(ProducerWorker(r, self.p.layouts[r], bases, agent).info)
+        self.consumers = [
+            Consumer(
+                "D",
+                self.d.spec,
+                self.d.par,
+                r,
+                self.d.layouts[r],
+                list(self.d.bound(r).bases),
+                LoopbackTransport(f"d{r}", self.fabric),
+                SECRET,
+                transfer_timeout_s=5,
+            )
+            for r in range(d_tp)
+        ]
+
+    def request(self, rid: str, n: int) -> tuple[TransferHandle, list[list[int]]]:
+        p_tabs = random_tables(SPEC, n, 32, self.rng)
+        for r in range(self.p.par.world):
+            fill_source(SPEC, self.p.par, r, self.p.layouts[r], self.p.bufs[r], n, p_tabs)
+        d_tabs = random_tables(self.d.spec, n, 64, self.rng)
+        return self.producer.prefill_done(rid, p_tabs, n), d_tabs
+
+    def wait(self, count: int = 1, timeout: float = 10) -> list[Outcome]:
+        out: list[Outcome] = []
+        end = time.monotonic() + timeout
+        while len(out) < count and time.monotonic() < end:
+            for c in self.consumers:
+                out += c.poll()
+            time.sleep(0.005)
+        assert len(out) == count, out
+        return out
+
+    def close(self) -> None:
+        for c in self.consumers:
+            c.close()
+        self.producer.close()
+
+
+@pytest.fixture
+def world():
+    w = World()
+    yield w
+    w.close()
+
+
+def check_bytes(w: World, before, n, cached, d_tabs):
+    for r in range(w.d.par.world):
+        want = expected_dest(w.d.spec, w.d.par, r, w.d.layouts[r], before[r], n, cached, d_tabs)
+        for got, exp in zip(w.d.bufs[r], want, strict=True):
+            assert np.array_equal(got, exp)
+
+
+def test_pull_is_byte_exact_and_frees_p_blocks_once(world):
+    before = [[b.copy() for b in bufs] for bufs in world.d.bufs]
+    handle, d_tabs = world.request("r1", 45)
+    handle = TransferHandle.from_bytes(handle.to_bytes())  # as the router forwards it
+    world.consumers[0].load(handle, d_tabs)
+    (out,) = world.wait()
+    assert out.ok, out.error
+    assert out.bytes > 0
+    check_bytes(world, before, 45, 0, d_tabs)
+    freed = world.producer.freed()
+    assert [(f.request_id, f.reason) for f in freed] == [("r1", LeaseState.DONE)]
+    assert world.producer.freed() == []
+
+
+def test_partial_and_full_prefix_hit(world):
+    h1, d1 = world.request("a", 60)
+    h2, d2 = world.request("b", 60)
+    world.consumers[0].load(h1, d1, cached=0)
+    world.consumers[0].load(h2, d2, cached=24)
+    outs = {o.request_id: o for o in world.wait(2)}
+    assert outs["a"].ok and outs["b"].ok
+    assert outs["b"].bytes < outs["a"].bytes
+    h3, d3 = world.request("c", 60)
+    world.consumers[0].load(h3, d3, cached=60)
+    (out,) = world.wait()
+    assert out.ok and out.bytes == 0
+    assert {f.request_id for f in world.producer.freed()} == {"a", "b", "c"}
+
+
+def test_lapsed_lease_is_reported_failed_never_successful():
+    w = World(lease_s=0.3)
+    try:
+        handle, d_tabs = w.request("late", 30)
+        time.sleep(0.5)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert not out.ok and "LeaseExpired" in out.error
+        assert out.failed_blocks[0] == d_tabs[0]
+        assert [f.reason for f in w.producer.freed()] == [LeaseState.EXPIRED]
+    finally:
+        w.close()
+
+
+def test_abort_frees_once_and_d_fails(world):
+    handle, d_tabs = world.request("x", 30)
+    assert world.producer.abort("x")
+    assert not world.producer.abort("x")
+    assert [f.reason for f in world.producer.freed()] == [LeaseState.ABORTED]
+    world.consumers[0].load(handle, d_tabs)
+    (out,) = world.wait()
+    assert not out.ok
+
+
+def test_handle_with_foreign_block_ids_transfers_nothing(world):
+    before = [b.copy() for b in world.d.bufs[0]]
+    handle, d_tabs = world.request("h", 40)
+    forged = msgspec.structs.replace(handle, block_tables=[[0, 1, 2], [3, 4, 5]])
+    world.consumers[0].load(forged, d_tabs)
+    (out,) = world.wait()
+    assert not out.ok and "does not match" in out.error
+    assert all(np.array_equal(a, b) for a, b in zip(before, world.d.bufs[0], strict=True))
+    out_of_range = msgspec.structs.replace(handle, block_tables=[[0, 1, 99], [3, 4, 5]])
+    world.consumers[0].load(out_of_range, d_tabs)
+    (out,) = world.wait()
+    assert not out.ok
+
+
+def test_wrong_secret_and_version_are_refused_and_p_keeps_serving(world):
+    bad = Client(world.producer.endpoint, b"wrong", timeout_s=2)
+    with pytest.raises(PeerError, match="authentication failed"):
+        bad.call(Handshake(1, "intruder"))
+    good = Client(world.producer.endpoint, SECRET, timeout_s=2)
+    with pytest.raises(PeerError, match="protocol version 99"):
+        good.call(Handshake(99, "old"))
+    reply = raw_call(world.producer.endpoint, sign(b"\x93garbage"))
+    assert isinstance(reply, ErrorReply) and "malformed" in reply.message
+    handle, d_tabs = world.request("after", 20)
+    world.consumers[0].load(handle, d_tabs)
+    assert world.wait()[0].ok
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=st.binary(max_size=300), signed=st.booleans())
+def test_hostile_frames_get_an_error_reply_and_p_keeps_serving(body, signed):
+    w = _shared_world()
+    reply = raw_call(w.producer.endpoint, sign(body) if signed else body)
+    assert isinstance(reply, ErrorReply)
+
+
+def test_oversized_frame_is_refused_unread(world):
+    reply = raw_call(world.producer.endpoint, sign(b"x" * (9 << 20)))
+    assert isinstance(reply, ErrorReply) and "exceeds" in reply.message
+    handle, d_tabs = world.request("still", 20)
+    world.consumers[0].load(handle, d_tabs)
+    assert world.wait()[0].ok
+
+
+_WORLD: list[World] = []
+
+
+def _shared_world() -> World:
+    if not _WORLD:
+        _WORLD.append(World())
+    return _WORLD[0]
+
+
+def teardown_module() -> None:
+    for w in _WORLD:
+        w.close()
