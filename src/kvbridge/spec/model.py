@@ -157,8 +157,10 @@ class ModelSpec:
 
     def compat_hash(self) -> str:
         """Hash of everything that affects bytes except block sizes (P and D may differ)."""
-        body = {"layers": [asdict(lay) for lay in self.layers]}
-        body["groups"] = [list(g.layers) for g in self.groups]
+        body = {
+            "layers": [asdict(lay) for lay in self.layers],
+            "groups": [list(g.layers) for g in self.groups],
+        }
         text = json.dumps(body, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -8,6 +8,8 @@ in Python and addresses them straight from the views' strides.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import numpy as np
 
 from kvbridge.layout.view import RankLayout, View
@@ -79,13 +81,15 @@ def _visit(
     par: Parallel,
     rank: int,
     layout: RankLayout,
-    tokens_of,  # type: ignore[no-untyped-def]
+    tokens_of: Callable[[Layer], list[int]],
     tables: list[list[int]],
-):  # type: ignore[no-untyped-def]
+) -> Iterator[tuple[int, int, np.ndarray]]:
     """Yield (region, byte offset, expected bytes) for every unit a rank holds."""
     tp_rank = rank % par.tp
     for li in rank_layers(spec, par, rank):
         layer = spec.layers[li]
+        if not layer.streams:  # a layer that caches nothing is in no group
+            continue
         g = spec.group_of(li)
         bs = spec.groups[g].block_size
         for si, s in enumerate(layer.streams):

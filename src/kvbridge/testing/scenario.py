@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,8 @@ class Side:
     spec: ModelSpec
     par: Parallel
     layout: str
-    num_blocks: int
+    num_blocks: int | Mapping[str, int]
+    """Blocks (state: slots) for all groups, or per group name (then one pool per group)."""
     kv_packed: bool = True
     layouts: list[RankLayout] = field(default_factory=list)
     bufs: list[list[np.ndarray]] = field(default_factory=list)
@@ -41,19 +43,32 @@ class Side:
 
 
 def random_tables(
-    spec: ModelSpec, n: int, num_blocks: int, rng: np.random.Generator, shuffle: bool = True
+    spec: ModelSpec,
+    n: int,
+    num_blocks: int | Mapping[str, int],
+    rng: np.random.Generator,
+    shuffle: bool = True,
 ) -> list[list[int]]:
-    """Distinct block ids per pool (all groups drawn from one pool of ``num_blocks``)."""
+    """Distinct block ids per pool: all groups drawn from one pool of ``num_blocks``, or,
+    given per group name, each group from its own."""
     need = [
         1 if spec.is_state_group(g) else -(-n // grp.block_size)
         for g, grp in enumerate(spec.groups)
     ]
+    if not isinstance(num_blocks, int):
+        pools = [num_blocks[grp.name] for grp in spec.groups]
+        return [_draw(p, k, rng, shuffle) for p, k in zip(pools, need, strict=True)]
     ids = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
     out, pos = [], 0
     for k in need:
         out.append([int(x) for x in ids[pos : pos + k]])
         pos += k
     return out
+
+
+def _draw(pool: int, k: int, rng: np.random.Generator, shuffle: bool) -> list[int]:
+    ids = rng.permutation(pool)[:k] if shuffle else np.arange(k)
+    return [int(x) for x in ids]
 
 
 def run_scenario(

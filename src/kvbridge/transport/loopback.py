@@ -72,10 +72,24 @@ class LoopbackTransport(Transport):
     def remove_peer(self, name: str) -> None:
         self.peers.discard(name)
 
-    def read(self, peer, local, remote, nbytes, notif=None) -> XferHandle:  # type: ignore[no-untyped-def]
+    def read(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        notif: bytes | None = None,
+    ) -> XferHandle:
         return self._copy(peer, dst=local, src=remote, nbytes=nbytes, notif=notif, pull=True)
 
-    def write(self, peer, local, remote, nbytes, notif=None) -> XferHandle:  # type: ignore[no-untyped-def]
+    def write(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        notif: bytes | None = None,
+    ) -> XferHandle:
         return self._copy(peer, dst=remote, src=local, nbytes=nbytes, notif=notif, pull=False)
 
     def _copy(

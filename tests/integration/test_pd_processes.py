@@ -1,0 +1,173 @@
+"""P and D instances as real processes over NIXL on loopback (pull)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvbridge.control.lease import LeaseState
+from kvbridge.spec import DType, Kind, ModelSpec, Parallel, attention, group_by_kind, mamba2, mla
+from kvbridge.testing.procs import Instance
+from kvbridge.testing.scenario import random_tables
+
+pytestmark = pytest.mark.integration
+SECRET = b"integration"
+
+
+def hybrid() -> ModelSpec:
+    layers = [attention(0, 12, 16), attention(1, 12, 16, kind=Kind.SLIDING, window=17)]
+    layers += [attention(2, 12, 16)]
+    return group_by_kind("full+sliding", layers, 16)
+
+
+def mla_model() -> ModelSpec:
+    return group_by_kind("mla", [mla(i, 36, DType.FP16) for i in range(3)], 16)
+
+
+def mamba_model() -> ModelSpec:
+    layers = [mamba2(0, 12, 4, 1, 8, 4), attention(1, 12, 16), mamba2(2, 12, 4, 1, 8, 4)]
+    return group_by_kind("mamba2", layers, 16)
+
+
+class Pair:
+    def __init__(
+        self, spec, p_tp, d_tp, p_layout, d_layout, p_bs=16, d_bs=16, lease_s=30.0, timeout_s=10.0
+    ):
+        self.p = Instance(
+            "P", spec.with_block_sizes(p_bs), Parallel(p_tp), p_layout, 64, SECRET, lease_s
+        )
+        try:
+            self.d = Instance(
+                "D",
+                spec.with_block_sizes(d_bs),
+                Parallel(d_tp),
+                d_layout,
+                64,
+                SECRET,
+                timeout_s=timeout_s,
+            )
+        except Exception:
+            self.p.close()
+            raise
+        self.rng = np.random.default_rng(3)
+        assert self.p.producer is not None
+        self.producer = self.p.producer
+
+    def prefill(self, rid: str, n: int):
+        p_tabs = random_tables(self.p.spec, n, 64, self.rng)
+        self.p.broadcast("fill", n, p_tabs)
+        d_tabs = random_tables(self.d.spec, n, 64, self.rng)
+        return self.producer.prefill_done(rid, p_tabs, n), d_tabs
+
+    def load(self, handle, d_tabs, cached=0, snap=True):
+        self.d.broadcast("load", handle.to_bytes(), d_tabs, cached, snap)
+
+    def wait(self, ids, timeout=30.0):
+        per_rank = self.d.broadcast("wait", ids, timeout, timeout=timeout + 30)
+        return per_rank
+
+    def close(self):
+        self.d.close()
+        self.p.close()
+
+
+CASES = [
+    ("hybrid", hybrid, 2, 4, "hnd", "nhd", 16, 32),
+    ("hybrid", hybrid, 3, 2, "nhd", "block-major", 16, 8),
+    ("mla", mla_model, 2, 4, "nhd", "hnd", 16, 32),
+    ("mamba2", mamba_model, 3, 2, "hnd", "nhd", 32, 16),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "p_tp", "d_tp", "p_lay", "d_lay", "p_bs", "d_bs"),
+    CASES,
+    ids=[f"{c[0]}-{c[2]}to{c[3]}" for c in CASES],
+)
+def test_pull_byte_exact(name, make, p_tp, d_tp, p_lay, d_lay, p_bs, d_bs):
+    pair = Pair(make(), p_tp, d_tp, p_lay, d_lay, p_bs, d_bs)
+    try:
+        for rid, n, cached in [("a", 77, 0), ("b", 50, 20)]:
+            handle, d_tabs = pair.prefill(rid, n)
+            pair.load(handle, d_tabs, cached)
+            outs = pair.wait([rid])
+            assert all(o[rid].ok for o in outs), [o[rid].error for o in outs]
+            diffs = pair.d.broadcast("verify", rid, n, cached, d_tabs)
+            assert diffs == [0] * d_tp
+        freed = pair.producer.freed()
+        assert sorted((f.request_id, f.reason) for f in freed) == [
+            ("a", LeaseState.DONE),
+            ("b", LeaseState.DONE),
+        ]
+    finally:
+        pair.close()
+
+
+def test_faults_lease_lapse_abort_dead_d():
+    pair = Pair(hybrid(), 2, 1, "hnd", "nhd", lease_s=1.0)
+    try:
+        # a lease that lapses while D is queued: P frees, the blocks are reused, D fails
+        handle, d_tabs = pair.prefill("late", 40)
+        time.sleep(1.3)
+        assert [f.reason for f in pair.producer.freed()] == [LeaseState.EXPIRED]
+        pair.p.broadcast("scribble")
+        pair.load(handle, d_tabs)
+        (out,) = pair.wait(["late"])
+        assert not out["late"].ok and "LeaseExpired" in out["late"].error
+        # an aborted request: blocks freed once, D's later load fails
+        handle, d_tabs = pair.prefill("gone", 30)
+        assert pair.producer.abort("gone") and not pair.producer.abort("gone")
+        pair.load(handle, d_tabs)
+        (out,) = pair.wait(["gone"])
+        assert not out["gone"].ok
+        assert [f.reason for f in pair.producer.freed()] == [LeaseState.ABORTED]
+        # a D that never comes: P frees at lease expiry
+        pair.prefill("orphan", 30)
+        time.sleep(1.3)
+        assert [f.reason for f in pair.producer.freed()] == [LeaseState.EXPIRED]
+        assert pair.producer.leases.held() == 0
+    finally:
+        pair.close()
+
+
+def test_p_rank_killed_during_transfers_fails_within_deadline():
+    pair = Pair(hybrid(), 2, 1, "nhd", "hnd", timeout_s=3.0)
+    try:
+        handle, d_tabs = pair.prefill("ok", 40)
+        pair.load(handle, d_tabs)
+        assert pair.wait(["ok"])[0]["ok"].ok
+        handles = [pair.prefill(f"k{i}", 60) for i in range(4)]
+        os.kill(pair.p.ranks[1].proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for h, tabs in handles:
+            pair.load(h, tabs, snap=False)
+        outs = pair.wait([f"k{i}" for i in range(4)], timeout=20)[0]
+        assert len(outs) == 4 and not any(o.ok for o in outs.values())
+        assert time.monotonic() - t0 < 15
+    finally:
+        pair.close()
+
+
+def test_200_concurrent_requests():
+    pair = Pair(hybrid(), 2, 2, "hnd", "hnd")
+    try:
+        rng = np.random.default_rng(11)
+        ids = []
+        for i in range(200):
+            n = int(rng.integers(1, 60))
+            p_tabs = random_tables(pair.p.spec, n, 64, rng)
+            d_tabs = random_tables(pair.d.spec, n, 64, rng)
+            h = pair.producer.prefill_done(f"c{i}", p_tabs, n)
+            pair.load(h, d_tabs, snap=False)
+            ids.append(f"c{i}")
+        outs = pair.wait(ids, timeout=60)
+        assert all(len(o) == 200 and all(x.ok for x in o.values()) for o in outs)
+        freed = pair.producer.freed()
+        assert len(freed) == 200 and {f.reason for f in freed} == {LeaseState.DONE}
+        assert pair.producer.leases.held() == 0
+    finally:
+        pair.close()
