@@ -30,6 +30,7 @@ from kvbridge.transport.nixl import NixlTransport
 
 KIB = 1024
 MIB = 1024 * KIB
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # local, remote, nbytes (uint64)
 
 
 def _owner(conn: Connection, nbytes: int) -> None:
@@ -41,7 +42,7 @@ def _owner(conn: Connection, nbytes: int) -> None:
     conn.close()
 
 
-def _runs(base_l: int, base_r: int, total: int, run: int) -> tuple[np.ndarray, ...]:
+def _runs(base_l: int, base_r: int, total: int, run: int) -> Runs:
     """Shuffled ``run``-byte runs covering ``total`` bytes: (local, remote, nbytes)."""
     count = total // run
     src = np.random.default_rng(run).permutation(count).astype(np.uint64) * np.uint64(run)
@@ -49,7 +50,7 @@ def _runs(base_l: int, base_r: int, total: int, run: int) -> tuple[np.ndarray, .
     return dst + np.uint64(base_l), src + np.uint64(base_r), np.full(count, run, np.uint64)
 
 
-def _throughput(d: NixlTransport, runs: tuple[np.ndarray, ...], repeat: int) -> float:
+def _throughput(d: NixlTransport, runs: Runs, repeat: int) -> float:
     """Median GB/s of read + wait over ``repeat`` passes, after one warm-up pass."""
     seconds = []
     d.wait(d.read("bench-P", *runs), timeout_s=30.0)
@@ -66,7 +67,7 @@ def _rows(addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     return rows
 
 
-def _posting_cost(d: NixlTransport, runs: tuple[np.ndarray, ...], repeat: int) -> dict[str, float]:
+def _posting_cost(d: NixlTransport, runs: Runs, repeat: int) -> dict[str, float]:
     """Median µs per descriptor to create (not post) a request, three ways."""
     agent: Any = d._agent  # the raw nixl_agent, for the prepped-path comparison
     loc, rem = _rows(runs[0], runs[2]), _rows(runs[1], runs[2])

@@ -35,7 +35,17 @@ def mamba_model() -> ModelSpec:
 
 class Pair:
     def __init__(
-        self, spec, p_tp, d_tp, p_layout, d_layout, p_bs=16, d_bs=16, lease_s=30.0, timeout_s=10.0
+        self,
+        spec,
+        p_tp,
+        d_tp,
+        p_layout,
+        d_layout,
+        p_bs=16,
+        d_bs=16,
+        lease_s=30.0,
+        timeout_s=10.0,
+        mode="pull",
     ):
         self.p = Instance(
             "P", spec.with_block_sizes(p_bs), Parallel(p_tp), p_layout, 64, SECRET, lease_s
@@ -49,6 +59,7 @@ class Pair:
                 64,
                 SECRET,
                 timeout_s=timeout_s,
+                mode=mode,
             )
         except Exception:
             self.p.close()
@@ -76,20 +87,23 @@ class Pair:
 
 
 CASES = [
-    ("hybrid", hybrid, 2, 4, "hnd", "nhd", 16, 32),
-    ("hybrid", hybrid, 3, 2, "nhd", "block-major", 16, 8),
-    ("mla", mla_model, 2, 4, "nhd", "hnd", 16, 32),
-    ("mamba2", mamba_model, 3, 2, "hnd", "nhd", 32, 16),
+    ("hybrid", hybrid, 2, 4, "hnd", "nhd", 16, 32, "pull"),
+    ("hybrid", hybrid, 3, 2, "nhd", "block-major", 16, 8, "pull"),
+    ("mla", mla_model, 2, 4, "nhd", "hnd", 16, 32, "pull"),
+    ("mamba2", mamba_model, 3, 2, "hnd", "nhd", 32, 16, "pull"),
+    ("hybrid", hybrid, 2, 4, "hnd", "nhd", 16, 32, "push"),
+    ("mla", mla_model, 3, 2, "nhd", "block-major", 16, 8, "push"),
+    ("mamba2", mamba_model, 2, 4, "hnd", "nhd", 32, 16, "push"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "make", "p_tp", "d_tp", "p_lay", "d_lay", "p_bs", "d_bs"),
+    ("name", "make", "p_tp", "d_tp", "p_lay", "d_lay", "p_bs", "d_bs", "mode"),
     CASES,
-    ids=[f"{c[0]}-{c[2]}to{c[3]}" for c in CASES],
+    ids=[f"{c[0]}-{c[2]}to{c[3]}-{c[8]}" for c in CASES],
 )
-def test_pull_byte_exact(name, make, p_tp, d_tp, p_lay, d_lay, p_bs, d_bs):
-    pair = Pair(make(), p_tp, d_tp, p_lay, d_lay, p_bs, d_bs)
+def test_byte_exact(name, make, p_tp, d_tp, p_lay, d_lay, p_bs, d_bs, mode):
+    pair = Pair(make(), p_tp, d_tp, p_lay, d_lay, p_bs, d_bs, mode=mode)
     try:
         for rid, n, cached in [("a", 77, 0), ("b", 50, 20)]:
             handle, d_tabs = pair.prefill(rid, n)

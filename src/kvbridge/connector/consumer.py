@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer, PeerCache
-from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
+from kvbridge.control.messages import (
+    LeaseOp,
+    LeaseOpName,
+    LeaseReply,
+    PushReply,
+    PushRuns,
+    tables_digest,
+)
 from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
@@ -37,6 +44,13 @@ log = logging.getLogger(__name__)
 class Policy(enum.StrEnum):
     RECOMPUTE = "recompute"
     FAIL = "fail"
+
+
+class Mode(enum.StrEnum):
+    PULL = "pull"
+    """D reads P's blocks."""
+    PUSH = "push"
+    """D sends its plan; each P rank writes into D's blocks and notifies."""
 
 
 class LoadState(enum.Enum):
@@ -95,12 +109,16 @@ class Consumer:
         policy: Policy = Policy.RECOMPUTE,
         transfer_timeout_s: float = 10.0,
         workers: int = 2,
+        mode: Mode = Mode.PULL,
     ):
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport = transport
         self.policy = policy
         self.timeout_s = transfer_timeout_s
-        transport.register([Region(b, n) for b, n in zip(bases, layout.regions, strict=True)])
+        self.mode = mode
+        regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
+        self.metadata = transport.register(regions)
+        self._notifs: set[bytes] = set()
         bound = Bound(layout, tuple(bases))
         self.peers = PeerCache(engine_id, spec, par, rank, bound, transport, secret)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
@@ -139,7 +157,10 @@ class Consumer:
                 job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
             )
             job.move(LoadState.TRANSFER)
-            self._transfer(peer, plan.runs)
+            if self.mode is Mode.PUSH:
+                self._push(peer, job.handle.request_id, plan.runs)
+            else:
+                self._transfer(peer, plan.runs)
             job.move(LoadState.VERIFY)
             self._lease(peer, job, "confirm")
             job.move(LoadState.DONE)
@@ -178,6 +199,26 @@ class Consumer:
         finally:
             for h in handles:
                 h.release()
+
+    def _push(self, peer: Peer, request_id: str, runs: dict[int, Runs]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        want = set()
+        for src, r in runs.items():
+            notif = f"kvb:{request_id}:{src}:{self.rank}".encode()
+            s, d, n = (a.astype("<u8").tobytes() for a in r.as_uint64())
+            reply = peer.rank_client(src).call(PushRuns(request_id, self.metadata, s, d, n, notif))
+            if not isinstance(reply, PushReply):
+                raise PeerError(f"push: unexpected reply {type(reply).__name__}")
+            want.add(notif)
+        while True:
+            with self._lock:
+                self._notifs.update(m for _, m in self.transport.notifications())
+                if want <= self._notifs:
+                    self._notifs -= want
+                    return
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"push notifications missing after {self.timeout_s} s")
+            time.sleep(0.0005)
 
     def _lease(self, peer: Peer, job: _Load, op: LeaseOpName) -> LeaseReply:
         h = job.handle

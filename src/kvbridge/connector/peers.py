@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.control.channel import Client
@@ -23,6 +23,17 @@ class Peer:
     client: Client
     agents: dict[int, str]
     geometry: Geometry
+    endpoints: dict[int, str]
+    secret: bytes
+    clients: dict[int, Client] = field(default_factory=dict)
+
+    def rank_client(self, rank: int) -> Client:
+        """Side channel of one P rank (push requests)."""
+        if not self.endpoints.get(rank):
+            raise PeerError(f"P rank {rank} of {self.engine_id!r} serves no push channel")
+        if rank not in self.clients:
+            self.clients[rank] = Client(self.endpoints[rank], self.secret)
+        return self.clients[rank]
 
 
 class PeerCache:
@@ -82,12 +93,15 @@ class PeerCache:
         for info in reply.ranks:
             if info.rank in {pc for pc in _sources(geometry)}:
                 agents[info.rank] = self.transport.add_peer(info.agent)
-        return Peer(reply.engine_id, reply.epoch, client, agents, geometry)
+        endpoints = {info.rank: info.endpoint for info in reply.ranks}
+        return Peer(reply.engine_id, reply.epoch, client, agents, geometry, endpoints, self.secret)
 
     def _forget(self, peer: Peer) -> None:
         for name in peer.agents.values():
             self.transport.remove_peer(name)
         peer.client.close()
+        for c in peer.clients.values():
+            c.close()
 
     def close(self) -> None:
         with self._lock:

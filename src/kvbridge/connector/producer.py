@@ -11,6 +11,8 @@ from __future__ import annotations
 import secrets
 import time
 
+import numpy as np
+
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
@@ -20,25 +22,69 @@ from kvbridge.control.messages import (
     HandshakeReply,
     LeaseOp,
     Message,
+    PushReply,
+    PushRuns,
     RankInfo,
     tables_digest,
     wire_layout,
 )
-from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError
+from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Region, Transport
+from kvbridge.transport.base import Region, Transport, XferState
 
 
 class ProducerWorker:
-    """Registers one P rank's regions (``bases[i]`` holds ``layout.regions[i]`` bytes)."""
+    """Registers one P rank's regions (``bases[i]`` holds ``layout.regions[i]`` bytes).
 
-    def __init__(self, rank: int, layout: RankLayout, bases: list[int], transport: Transport):
+    With a ``secret`` it also serves push requests on its own side channel: D sends the
+    runs it planned, this rank writes them into D and notifies D when they landed.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        layout: RankLayout,
+        bases: list[int],
+        transport: Transport,
+        secret: bytes | None = None,
+        host: str = "127.0.0.1",
+        push_timeout_s: float = 10.0,
+    ):
         self.rank = rank
         self.transport = transport
+        self.timeout_s = push_timeout_s
+        self._peers: dict[bytes, str] = {}
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
-        self.info = wire_layout(rank, layout, bases, transport.register(regions))
+        meta = transport.register(regions)
+        self.server = Server(self._handle, secret, host) if secret is not None else None
+        endpoint = self.server.endpoint if self.server else ""
+        self.info = wire_layout(rank, layout, bases, meta, endpoint)
+
+    def _handle(self, msg: Message) -> Message:
+        if not isinstance(msg, PushRuns):
+            raise PeerError(f"P rank {self.rank} serves push requests, not {type(msg).__name__}")
+        src, dst, n = (np.frombuffer(b, dtype="<u8") for b in (msg.src, msg.dst, msg.nbytes))
+        if not src.shape == dst.shape == n.shape:
+            raise PeerError(f"push arrays differ in length: {src.shape} {dst.shape} {n.shape}")
+        peer = self._peers.get(msg.d_agent)
+        if peer is None:
+            peer = self._peers[msg.d_agent] = self.transport.add_peer(msg.d_agent)
+        handle = self.transport.write(peer, src, dst, n, msg.notif)
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            while self.transport.poll(handle) is not XferState.DONE:
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"push of {msg.request_id!r} not done in time")
+                time.sleep(0.0002)
+        finally:
+            handle.release()
+        return PushReply(int(src.shape[0]))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
 
 class Producer:

@@ -47,6 +47,8 @@ class RankInfo(msgspec.Struct, frozen=True):
     pools: list[int]
     bases: list[int]
     agent: bytes
+    endpoint: str = ""
+    """This rank's own side channel (push requests), if it serves one."""
 
 
 class Handshake(msgspec.Struct, tag="handshake", frozen=True):
@@ -86,12 +88,30 @@ class LeaseReply(msgspec.Struct, tag="lease_reply", frozen=True):
     deadline: float
 
 
+class PushRuns(msgspec.Struct, tag="push", frozen=True):
+    """D → P rank: write these runs into D and notify ``notif`` once they landed.
+
+    ``src``, ``dst``, ``nbytes``: little-endian uint64 arrays as bytes.
+    """
+
+    request_id: str
+    d_agent: bytes
+    src: bytes
+    dst: bytes
+    nbytes: bytes
+    notif: bytes
+
+
+class PushReply(msgspec.Struct, tag="push_reply", frozen=True):
+    runs: int
+
+
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     kind: str
     message: str
 
 
-Message = Handshake | HandshakeReply | LeaseOp | LeaseReply | ErrorReply
+Message = Handshake | HandshakeReply | LeaseOp | LeaseReply | PushRuns | PushReply | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
@@ -123,7 +143,9 @@ def tables_digest(tables: list[list[int]], n_tokens: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def wire_layout(rank: int, layout: RankLayout, bases: list[int], agent: bytes) -> RankInfo:
+def wire_layout(
+    rank: int, layout: RankLayout, bases: list[int], agent: bytes, endpoint: str = ""
+) -> RankInfo:
     views = [
         WireView(
             v.layer,
@@ -150,6 +172,7 @@ def wire_layout(rank: int, layout: RankLayout, bases: list[int], agent: bytes) -
         list(layout.pools),
         bases,
         agent,
+        endpoint,
     )
 
 

@@ -31,6 +31,7 @@ class RankSpec:
     secret: bytes
     lease_s: float = 30.0
     timeout_s: float = 10.0
+    mode: str = "pull"
 
 
 class RankProc:
@@ -82,13 +83,14 @@ class Instance:
         secret: bytes,
         lease_s: float = 30.0,
         timeout_s: float = 10.0,
+        mode: str = "pull",
     ):
         ctx = mp.get_context("spawn")
         self.side, self.spec, self.par = side, spec, par
         self.producer: Producer | None = None
         self.ranks: list[RankProc] = []
         try:
-            self._start(ctx, layout, num_blocks, secret, lease_s, timeout_s)
+            self._start(ctx, layout, num_blocks, secret, lease_s, timeout_s, mode)
         except BaseException:
             self.close()
             raise
@@ -101,11 +103,13 @@ class Instance:
         secret: bytes,
         lease_s: float,
         timeout_s: float,
+        mode: str,
     ) -> None:
         spec, par, side = self.spec, self.par, self.side
         self.ranks = [
             RankProc(
-                ctx, RankSpec(side, spec, par, r, layout, num_blocks, secret, lease_s, timeout_s)
+                ctx,
+                RankSpec(side, spec, par, r, layout, num_blocks, secret, lease_s, timeout_s, mode),
             )
             for r in range(par.world)
         ]

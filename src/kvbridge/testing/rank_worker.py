@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.connector.consumer import Consumer, Outcome
+from kvbridge.connector.consumer import Consumer, Mode, Outcome
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import ProducerWorker
 from kvbridge.layout.build import build_layout
@@ -24,6 +24,7 @@ class RankWorker:
         self.bases = [int(b.ctypes.data) for b in self.bufs]
         self.transport = NixlTransport(f"{rs.side}{rs.rank}-{time.monotonic_ns()}")
         self.consumer: Consumer | None = None
+        self.producer: ProducerWorker | None = None
         self.snapshots: dict[str, list[np.ndarray]] = {}
         self.outcomes: dict[str, Outcome] = {}
 
@@ -33,7 +34,10 @@ class RankWorker:
     def cmd_info(self) -> Any:
         rs = self.rs
         if rs.side == "P":
-            return ProducerWorker(rs.rank, self.layout, self.bases, self.transport).info
+            self.producer = ProducerWorker(
+                rs.rank, self.layout, self.bases, self.transport, rs.secret
+            )
+            return self.producer.info
         self.consumer = Consumer(
             "D",
             rs.spec,
@@ -44,6 +48,7 @@ class RankWorker:
             self.transport,
             rs.secret,
             transfer_timeout_s=rs.timeout_s,
+            mode=Mode(rs.mode),
         )
         return None
 
@@ -82,4 +87,6 @@ class RankWorker:
     def close(self) -> None:
         if self.consumer is not None:
             self.consumer.close()
+        if self.producer is not None:
+            self.producer.close()
         self.transport.close()

@@ -1,22 +1,11 @@
-"""NIXL transport: the only kvbridge module that imports NIXL (DESIGN §5).
-
-One :class:`NixlTransport` is one rank's NIXL agent with the UCX backend on host memory
-(DRAM, device id 0). Everything NIXL reports — ``"DONE"``/``"PROC"``/``"ERR"`` strings,
-``None`` returns, binding exceptions — is turned here into :class:`XferState` values and
-:mod:`kvbridge.errors` exceptions; none of it leaves this module.
-
-Threading: with UCX's loopback transports :meth:`NixlTransport.read` and
-:meth:`NixlTransport.write` may perform the whole copy inside the call (hundreds of ms
-for a large plan; the GIL is released meanwhile). Run them from a worker thread, never
-on an event loop. The agent uses NIXL's reader/writer sync mode, so posting and polling
-from several threads is safe; :meth:`NixlTransport.close` must not race with other calls.
-
-Facts this module relies on are measured in ``shared/NIXL_NOTES.md``: the progress
-thread's poll delay must be non-zero (the stock Python wrapper hard-codes 0 and burns a
-core), a dead peer shows up as an exception or as a transfer that never finishes (so
-every wait needs a deadline: :meth:`NixlTransport.wait`), and re-adding a known agent
-name is refused by NIXL unless the old entry is removed first.
-"""
+"""NIXL transport (DESIGN §5), the only kvbridge module importing NIXL: one rank's agent
+(UCX, host memory, device 0, progress thread sleeping between polls). NIXL's status
+strings, ``None`` returns and binding exceptions become :class:`XferState` values and
+:mod:`kvbridge.errors` here. On loopback UCX copies inside ``read()``/``write()``
+(256 MiB: 0.06–0.4 s here, GIL released): call them from a worker thread, not an event
+loop. Reader/writer sync mode: threads may post and poll concurrently; ``close()`` must
+not race. A dead or stalled peer raises or never finishes: every wait needs a deadline
+(:meth:`NixlTransport.wait`). Measured facts: ``shared/NIXL_NOTES.md``."""
 
 from __future__ import annotations
 
@@ -26,52 +15,43 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
 
 from kvbridge import envs
 
-# UCX_MODULES / NIXL_LOG_LEVEL must be in place before NIXL is loaded.
-envs.prepare_process_env()
+envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading NIXL
 
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle  # noqa: E402
 
 from kvbridge.errors import PeerError, TransferTimeout, TransportError  # noqa: E402
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState  # noqa: E402
 
-# The compiled binding has no type stubs.
-_nb: Any = importlib.import_module("nixl_cu12._bindings")
-
 __all__ = ["NixlTransport", "NixlXferHandle"]
+_U64 = np.ndarray  # 1-D uint64 (any non-negative integer dtype is accepted)
 
 log = logging.getLogger(__name__)
+_nb: Any = importlib.import_module("nixl_cu12._bindings")  # compiled, no type stubs
 
-# Every exception type the binding raises for a non-success nixl_status_t.
-_NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
-    getattr(_nb, n) for n in dir(_nb) if n.startswith("nixl") and n.endswith("Error")
-)
-_CAUGHT: tuple[type[BaseException], ...] = (*_NIXL_ERRORS, RuntimeError)
+# Every exception type the binding raises for a non-success nixl_status_t (and pybind's).
+_ERRS = (getattr(_nb, n) for n in dir(_nb) if n.startswith("nixl") and n.endswith("Error"))
+_CAUGHT: tuple[type[BaseException], ...] = (*_ERRS, RuntimeError)
 
-# Metadata travels in an envelope: magic+version, name and blob lengths, the agent name,
-# NIXL's own metadata blob and a BLAKE2b digest of all that. NIXL cannot be handed a
-# damaged blob safely: one truncated by a byte half-loads and leaves that agent name
-# unusable for the rest of the process (measured: every later load raises
-# NIXL_ERR_INVALID_PARAM, even after remove_remote_agent).
+# Metadata envelope: header (magic+version, name and blob lengths), name, NIXL blob,
+# BLAKE2b digest. NIXL must never see a damaged blob: one a byte short half-loads and the
+# name stays unusable in this process (NIXL_ERR_INVALID_PARAM even after removal).
 _MAGIC = b"KVBNIXL1"
 _HEAD = struct.Struct("<8sHI")
 _DIGEST_BYTES = 16
 
 
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
-
-
 def _seal(name: str, blob: bytes) -> bytes:
-    """Wrap NIXL metadata ``blob`` of agent ``name`` in kvbridge's checked envelope."""
+    """Wrap NIXL metadata ``blob`` of agent ``name`` in the checked envelope."""
     raw_name = name.encode()
     body = _HEAD.pack(_MAGIC, len(raw_name), len(blob)) + raw_name + blob
-    return body + _digest(body)
+    return body + hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest()
 
 
 def _unseal(data: object) -> tuple[str, bytes]:
@@ -85,7 +65,7 @@ def _unseal(data: object) -> tuple[str, bytes]:
     body_len = _HEAD.size + name_len + blob_len
     if len(md) != body_len + _DIGEST_BYTES:
         raise PeerError(f"peer metadata is {len(md)} B, its header says {body_len + 16} B")
-    if _digest(md[:body_len]) != md[body_len:]:
+    if hashlib.blake2b(md[:body_len], digest_size=_DIGEST_BYTES).digest() != md[body_len:]:
         raise PeerError(f"peer metadata ({len(md)} B) fails its digest check")
     try:
         name = md[_HEAD.size : _HEAD.size + name_len].decode()
@@ -94,70 +74,59 @@ def _unseal(data: object) -> tuple[str, bytes]:
     return name, md[_HEAD.size + name_len : body_len]
 
 
-def _describe(exc: BaseException) -> str:
-    """``"nixlNotFoundError: NIXL_ERR_NOT_FOUND"`` style text for a binding error."""
-    return f"{type(exc).__name__}: {exc}"
+def _quietly(what: str, call: Callable[..., object], *args: object) -> bool:
+    """Run a clean-up ``call``; a binding error is logged (returns False), not raised."""
+    try:
+        call(*args)
+    except _CAUGHT as exc:
+        log.warning("NIXL could not %s: %r", what, exc)
+        return False
+    return True
 
 
 def _as_u64(name: str, values: object) -> np.ndarray:
-    """A 1-D uint64 view/copy of ``values``; negative or non-integer input is refused."""
+    """``values`` as a 1-D uint64 array (no copy if already one); refuses negatives."""
     arr = np.asarray(values)
     if arr.ndim != 1 or arr.dtype.kind not in "ui":
-        raise TransportError(
-            f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}"
-        )
+        raise TransportError(f"{name} must be 1-D integers, got {arr.shape} {arr.dtype}")
     if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
         raise TransportError(f"{name} has a negative entry ({int(arr.min())})")
     return arr.astype(np.uint64, copy=False)
 
 
 def _descs(addrs: np.ndarray, nbytes: np.ndarray) -> Any:
-    """A DRAM descriptor list from an ``(N, 3)`` ``(addr, len, dev=0)`` uint64 array."""
-    rows = np.empty((addrs.shape[0], 3), dtype=np.uint64)
+    """A DRAM ``nixlXferDList`` built from an ``(N, 3)`` ``(addr, len, dev=0)`` array."""
+    rows = np.zeros((addrs.shape[0], 3), dtype=np.uint64)
     rows[:, 0] = addrs
     rows[:, 1] = nbytes
-    rows[:, 2] = 0
     return _nb.nixlXferDList(_nb.DRAM_SEG, rows)
 
 
 class NixlXferHandle(XferHandle):
-    """A posted NIXL transfer.
-
-    ``peer`` is the remote agent's name, ``nbytes`` the total bytes moved, ``runs`` the
-    descriptor count and ``state`` the last state observed (``FAILED`` once an error
-    was raised for it). ``release()`` is idempotent and never raises.
-    """
+    """A posted transfer (``runs`` descriptors, ``nbytes`` B); ``release()`` never raises."""
 
     __slots__ = ("_error", "_owner", "_xfer", "nbytes", "peer", "runs", "state")
 
     def __init__(
         self, owner: NixlTransport, xfer: nixl_xfer_handle | None, peer: str, runs: int, nbytes: int
     ) -> None:
-        self._owner = owner
-        self._xfer = xfer
+        self._owner, self._xfer = owner, xfer
         self._error: TransportError | None = None
-        self.peer = peer
-        self.runs = runs
-        self.nbytes = nbytes
+        self.peer, self.runs, self.nbytes = peer, runs, nbytes
         self.state = XferState.PENDING if xfer is not None else XferState.DONE
 
     def release(self) -> None:
         self._owner._release(self)
 
     def __repr__(self) -> str:
-        return (
-            f"NixlXferHandle(peer={self.peer!r}, runs={self.runs}, nbytes={self.nbytes}, "
-            f"state={self.state.name})"
-        )
+        return f"NixlXferHandle({self.peer!r}, {self.runs} runs, {self.nbytes} B, {self.state})"
 
 
 class NixlTransport(Transport):
-    """One rank's NIXL agent (UCX backend, host memory, progress thread with a delay).
+    """One rank's NIXL agent; ``name`` must be unique among agents that talk.
 
-    ``name`` must be unique among the agents that talk to each other.
-    ``progress_delay_us`` is the progress thread's sleep between polls in µs
-    (default :func:`kvbridge.envs.progress_delay_us`); it must be positive.
-    """
+    ``progress_delay_us``: progress thread sleep between polls, µs, > 0 (default
+    :func:`kvbridge.envs.progress_delay_us`; 1000 µs: an idle agent uses ~4 % of a core)."""
 
     def __init__(self, name: str, *, progress_delay_us: int | None = None) -> None:
         envs.prepare_process_env()
@@ -166,33 +135,27 @@ class NixlTransport(Transport):
             raise TransportError(f"progress thread delay must be > 0 µs, got {delay}")
         self.name = name
         self._lock = threading.Lock()
-        self._peers: dict[str, bytes] = {}
+        self._peers: dict[str, bytes] = {}  # name -> sealed metadata
         self._live: set[NixlXferHandle] = set()
-        self._stuck: list[nixl_xfer_handle] = []
+        self._stuck: list[nixl_xfer_handle] = []  # NIXL refused to release; retried at close
         self._regs: list[Any] = []
         self._closed = False
         self._agent = self._make_agent(name, delay)
 
     @staticmethod
     def _make_agent(name: str, delay_us: int) -> nixl_agent:
-        """Build the Python agent around a binding agent whose config we control.
-
-        The stock wrapper fixes the progress delay at 0 µs. So the wrapper is created
-        without backend or progress thread (cheap, ~0.2 ms), its binding agent is
-        replaced by one built from our own config, and UCX is instantiated on that.
-        """
+        """The wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
+        binding agent made from our config, then instantiate UCX on that (~0.4 s)."""
         cfg = _nb.nixlAgentConfig()
-        cfg.useProgThread = True
-        cfg.useListenThread = False
-        cfg.pthrDelay = delay_us
+        cfg.useProgThread, cfg.pthrDelay = True, delay_us
+        cfg.useListenThread, cfg.captureTelemetry = False, False
         cfg.syncMode = _nb.NIXL_THREAD_SYNC_RW
-        cfg.captureTelemetry = False
         try:
             agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             agent.agent = _nb.nixlAgent(name, cfg)
             agent.create_backend("UCX", {})
         except _CAUGHT as exc:
-            raise TransportError(f"cannot create NIXL agent {name!r}: {_describe(exc)}") from exc
+            raise TransportError(f"cannot create NIXL agent {name!r}: {exc!r}") from exc
         return agent
 
     def _check_open(self) -> nixl_agent:
@@ -200,38 +163,34 @@ class NixlTransport(Transport):
             raise TransportError(f"transport {self.name!r} is closed")
         return self._agent
 
-    # -- memory and peers -------------------------------------------------------------
-
     def register(self, regions: list[Region]) -> bytes:
-        """Register host memory regions (bytes) and return this agent's full metadata."""
+        """Register host memory regions; returns :meth:`metadata` (bytes) for peers."""
         agent = self._check_open()
         rows = np.array([(r.addr, r.nbytes, 0) for r in regions], dtype=np.uint64)
         if rows.size == 0 or (rows[:, 1] == 0).any():
             raise TransportError(f"nothing to register or an empty region in {regions!r}")
         try:
-            reg = _nb.nixlRegDList(_nb.DRAM_SEG, rows.reshape(-1, 3))
+            reg = _nb.nixlRegDList(_nb.DRAM_SEG, rows)
             agent.register_memory(reg)
         except _CAUGHT as exc:
-            raise TransportError(f"cannot register {regions!r}: {_describe(exc)}") from exc
+            raise TransportError(f"cannot register {regions!r}: {exc!r}") from exc
         with self._lock:
             self._regs.append(reg)
         return self.metadata()
 
     def metadata(self) -> bytes:
-        """This agent's current metadata (bytes, sealed) for peers' :meth:`add_peer`."""
+        """This agent's metadata (NIXL's, sealed with name and digest) for :meth:`add_peer`."""
         try:
             blob = bytes(self._check_open().get_agent_metadata())
         except _CAUGHT as exc:
-            raise TransportError(f"cannot read metadata: {_describe(exc)}") from exc
+            raise TransportError(f"cannot read metadata: {exc!r}") from exc
         return _seal(self.name, blob)
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata (from its :meth:`metadata`); returns its agent name.
+        """Load a peer's :meth:`metadata` (:class:`PeerError` if damaged); returns its name.
 
-        The same metadata again is a no-op. Metadata that NIXL refuses under a known name
-        (a restarted peer) replaces the old entry: the old one is removed first, which
-        fails that peer's live transfers. Damaged metadata raises :class:`PeerError`.
-        """
+        The same metadata again is a no-op. New metadata NIXL refuses under a known name
+        (a restarted peer) replaces the old entry, failing that peer's live transfers."""
         self._check_open()
         name, blob = _unseal(metadata)
         if name == self.name:
@@ -251,151 +210,112 @@ class NixlTransport(Transport):
         return self._load(name, blob, md)
 
     def _load(self, name: str, blob: bytes, md: bytes) -> str:
-        """Hand ``blob`` to NIXL and remember peer ``name`` with its sealed ``md``."""
+        """Hand ``blob`` to NIXL; remember peer ``name`` with its sealed metadata ``md``."""
         agent = self._check_open()
         try:
             loaded = agent.add_remote_agent(blob)
         except _CAUGHT as exc:
-            raise PeerError(f"NIXL rejected metadata of peer {name!r}: {_describe(exc)}") from exc
+            raise PeerError(f"NIXL rejected metadata of peer {name!r}: {exc!r}") from exc
         peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if peer != name:
-            with self._lock:
-                if peer not in self._peers:
-                    agent.remove_remote_agent(peer)
-            raise PeerError(f"metadata names {name!r} but NIXL loaded {peer!r}")
         with self._lock:
-            self._peers[peer] = md
-        return peer
+            if peer == name:
+                self._peers[peer] = md
+                return peer
+            if peer not in self._peers:
+                agent.remove_remote_agent(peer)
+        raise PeerError(f"metadata is labelled {name!r} but NIXL loaded agent {peer!r}")
 
     def remove_peer(self, name: str) -> None:
-        """Forget a peer and disconnect from it; its live transfers are released.
-
-        Unknown names are ignored.
-        """
+        """Forget a peer and disconnect; its live transfers fail. Unknown names: no-op."""
         with self._lock:
             if self._closed or self._peers.pop(name, None) is None:
                 return
             doomed = [h for h in self._live if h.peer == name]
         for handle in doomed:
-            handle._error = TransportError(f"peer {name!r} was removed")
-            handle.state = XferState.FAILED
+            handle._error, handle.state = TransportError(f"peer {name!r} removed"), XferState.FAILED
             self._release(handle)
-        try:
-            self._agent.remove_remote_agent(name)
-        except _CAUGHT as exc:
-            log.warning("removing NIXL peer %r: %s", name, _describe(exc))
+        _quietly(f"remove peer {name!r}", self._agent.remove_remote_agent, name)
 
     def peers(self) -> list[str]:
-        """Names of the peers currently known."""
+        """Names of the known peers, sorted."""
         with self._lock:
             return sorted(self._peers)
 
-    # -- transfers --------------------------------------------------------------------
-
     def read(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
     ) -> NixlXferHandle:
-        """Post a READ: copy ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``.
+        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``.
 
-        Addresses are byte addresses in registered memory; the copy may complete inside
-        this call (see the module docstring). ``notif`` (non-empty bytes) reaches the
-        peer after the data moved. Raises :class:`TransportError`, e.g. when a run
-        leaves either side's registered memory (nothing is copied then).
-        """
+        Byte addresses in registered memory; the copy may finish in this call. ``notif``
+        (``None``/``b""``: none) reaches the peer after the data. :class:`TransportError`
+        for a run outside registered memory (nothing copied), an unknown or dead peer."""
         return self._post("READ", peer, local, remote, nbytes, notif)
 
     def write(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
     ) -> NixlXferHandle:
-        """Post a WRITE: copy ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer).
+        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer).
 
-        Same rules as :meth:`read`; the notification lands after the data.
-        """
+        As :meth:`read`; the notification reaches the peer after the data landed."""
         return self._post("WRITE", peer, local, remote, nbytes, notif)
 
-    def _post(
-        self,
-        op: str,
-        peer: str,
-        local: object,
-        remote: object,
-        nbytes: object,
-        notif: bytes | None,
-    ) -> NixlXferHandle:
-        """Validate the runs, build both descriptor lists and post one transfer."""
-        agent = self._check_open()
+    def _runs(self, op: str, peer: str, *arrays: object) -> tuple[np.ndarray, ...]:
+        """Checked ``(local, remote, nbytes)`` uint64 arrays for ``op`` with ``peer``."""
         loc, rem, size = (
-            _as_u64("local", local),
-            _as_u64("remote", remote),
-            _as_u64("nbytes", nbytes),
+            _as_u64(n, a) for n, a in zip(("local", "remote", "nbytes"), arrays, strict=True)
         )
         if not loc.shape == rem.shape == size.shape:
-            raise TransportError(
-                f"{op} to {peer!r}: local {loc.shape}, remote {rem.shape} and nbytes "
-                f"{size.shape} must have equal lengths"
-            )
+            msg = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
+            raise TransportError(f"{op} with {peer!r}: need equal lengths, got {msg}")
         with self._lock:
-            known = peer in self._peers
-        if not known:
-            raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
-        msg = bytes(notif) if notif else b""
-        total = int(size.sum(dtype=np.uint64))
-        if size.shape[0] == 0:
-            if msg:
-                self._notify(agent, peer, msg)
+            if peer not in self._peers:
+                raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
+        return loc, rem, size
+
+    def _post(
+        self, op: str, peer: str, local: object, remote: object, nbytes: object, notif: bytes | None
+    ) -> NixlXferHandle:
+        """Validate the runs, build both descriptor lists and post one request."""
+        agent = self._check_open()
+        loc, rem, size = self._runs(op, peer, local, remote, nbytes)
+        msg, runs, total = bytes(notif or b""), int(size.shape[0]), int(size.sum(dtype=np.uint64))
+        if runs == 0:  # NIXL cannot build an empty request
+            try:
+                if msg:
+                    agent.send_notif(peer, msg)
+            except _CAUGHT as exc:
+                raise TransportError(f"notify {peer!r}: {exc!r}") from exc
             return NixlXferHandle(self, None, peer, 0, 0)
         try:
             xfer = agent.initialize_xfer(op, _descs(loc, size), _descs(rem, size), peer, msg)
         except _CAUGHT as exc:
             raise TransportError(
-                f"{op} of {size.shape[0]} runs ({total} B) with {peer!r} refused: "
-                f"{_describe(exc)} (a run outside registered memory?)"
+                f"{op} of {runs} runs ({total} B) with {peer!r} refused: {exc!r} "
+                "(NOT_FOUND: a run outside registered memory)"
             ) from exc
-        handle = NixlXferHandle(self, xfer, peer, int(size.shape[0]), total)
+        handle = NixlXferHandle(self, xfer, peer, runs, total)
         with self._lock:
             self._live.add(handle)
         try:
             status = agent.transfer(xfer)
         except _CAUGHT as exc:
-            self._fail(handle, f"posting {op} failed: {_describe(exc)}")
+            self._fail(handle, f"posting {op} failed: {exc!r}")
         if status == "ERR":
             self._fail(handle, f"posting {op} returned an error")
         if status == "DONE":
             handle.state = XferState.DONE
         return handle
 
-    def _notify(self, agent: nixl_agent, peer: str, msg: bytes) -> None:
-        try:
-            agent.send_notif(peer, msg)
-        except _CAUGHT as exc:
-            raise TransportError(f"notification to {peer!r} failed: {_describe(exc)}") from exc
-
     def _fail(self, handle: NixlXferHandle, why: str) -> NoReturn:
-        """Mark ``handle`` failed, release it and raise the error; never returns."""
-        err = TransportError(
-            f"transfer with {handle.peer!r} ({handle.runs} runs, {handle.nbytes} B): {why}"
-        )
-        handle._error = err
-        handle.state = XferState.FAILED
+        """Mark ``handle`` failed, release it and raise its :class:`TransportError`."""
+        err = TransportError(f"transfer {handle!r}: {why}")
+        handle._error, handle.state = err, XferState.FAILED
         self._release(handle)
         raise err
 
     def poll(self, handle: XferHandle) -> XferState:
-        """``PENDING`` or ``DONE``; raises :class:`TransportError` if it failed.
-
-        A failed handle keeps raising the same error; a done one keeps reporting
-        ``DONE`` even after release.
-        """
+        """``PENDING`` or ``DONE`` (also after release); raises :class:`TransportError`
+        if the transfer failed, again on every later poll."""
         if not isinstance(handle, NixlXferHandle) or handle._owner is not self:
             raise TransportError(f"{handle!r} was not posted by transport {self.name!r}")
         if handle.state is XferState.DONE:
@@ -408,7 +328,7 @@ class NixlTransport(Transport):
         try:
             status = self._check_open().check_xfer_state(xfer)
         except _CAUGHT as exc:
-            self._fail(handle, f"failed: {_describe(exc)}")
+            self._fail(handle, f"failed: {exc!r}")
         if status == "DONE":
             handle.state = XferState.DONE
             return XferState.DONE
@@ -417,12 +337,11 @@ class NixlTransport(Transport):
         self._fail(handle, f"NIXL reported state {status!r}")
 
     def wait(self, handle: XferHandle, timeout_s: float) -> None:
-        """Poll ``handle`` until done, for at most ``timeout_s`` seconds; then release it.
+        """Poll ``handle`` until done, at most ``timeout_s`` s (sleeps 10 µs → 1 ms); release it.
 
-        Raises :class:`TransferTimeout` when the time runs out and
-        :class:`TransportError` when the transfer fails; the handle is released in
-        every case. Sleeps grow from 10 µs to 1 ms between polls.
-        """
+        :class:`TransferTimeout` on expiry (NIXL cancels; if it cannot, the request is
+        retried at :meth:`close`: do not reuse its memory), :class:`TransportError` if it
+        failed."""
         deadline = time.monotonic() + timeout_s
         pause = 10e-6
         try:
@@ -436,34 +355,24 @@ class NixlTransport(Transport):
             handle.release()
 
     def _release(self, handle: NixlXferHandle) -> None:
-        """Free the NIXL request behind ``handle``; failures are kept for :meth:`close`."""
+        """Free (or cancel) the request behind ``handle``; refusals are kept for close."""
         with self._lock:
             xfer, handle._xfer = handle._xfer, None
             self._live.discard(handle)
-        if xfer is None:
-            return
-        try:
-            xfer.release()
-        except _CAUGHT as exc:
-            log.warning("NIXL could not release %r: %s", handle, _describe(exc))
+        if xfer is not None and not _quietly(f"release {handle!r}", xfer.release):
             with self._lock:
                 self._stuck.append(xfer)
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        """Drain notifications received so far as ``(peer name, message)`` pairs."""
+        """Drain the notifications received so far as ``(peer name, message)`` pairs."""
         try:
             raw = self._check_open().get_new_notifs()
         except _CAUGHT as exc:
-            raise TransportError(f"reading notifications failed: {_describe(exc)}") from exc
+            raise TransportError(f"reading notifications failed: {exc!r}") from exc
         return [(str(peer), bytes(m)) for peer, msgs in raw.items() for m in msgs]
 
-    # -- lifetime ---------------------------------------------------------------------
-
     def close(self) -> None:
-        """Release transfers, drop peers, deregister memory, destroy the agent.
-
-        Idempotent; never raises (problems are logged).
-        """
+        """Release requests, drop peers, deregister, destroy the agent; idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -474,18 +383,12 @@ class NixlTransport(Transport):
             self.remove_peer(peer)
         with self._lock:
             self._closed = True
-            stuck, self._stuck = self._stuck, []
-            regs, self._regs = self._regs, []
+            stuck, regs = self._stuck, self._regs
+            self._stuck, self._regs = [], []
         for xfer in stuck:
-            try:
-                xfer.release()
-            except _CAUGHT as exc:
-                log.warning("NIXL request still unreleasable at close: %s", _describe(exc))
+            _quietly("release a request at close", xfer.release)
         for reg in regs:
-            try:
-                self._agent.deregister_memory(reg)
-            except _CAUGHT as exc:
-                log.warning("NIXL deregistration failed at close: %s", _describe(exc))
+            _quietly("deregister memory at close", self._agent.deregister_memory, reg)
         del self._agent
 
     def __enter__(self) -> NixlTransport:
