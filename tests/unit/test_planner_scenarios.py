@@ -180,3 +180,15 @@ def test_pp_on_either_side():
     plans = run_scenario(p, d, 45, 0, rng())
     assert sum(pl.nbytes for pl in plans.values()) == 45 * 6 * 2 * 8 * 64 * 2
     assert {src for pl in plans.values() for src in pl.runs} == {0, 1, 2, 3}
+
+
+def test_partly_consecutive_ids_coalesce_per_streak():
+    s = llama()
+    p_ids = [[3, 4, 5, 9, 10, 20, 21, 22]]  # streaks 3, 2, 3 on P
+    d_ids = [[7, 8, 9, 0, 1, 30, 31, 2]]  # streaks 3, 2, 2, 1 on D
+    for p_lay, d_lay in [("nhd", "nhd"), ("block-major", "block-major")]:
+        p = Side(s, Parallel(1), p_lay, 64)
+        d = Side(s, Parallel(1), d_lay, 64)
+        plan = run_scenario(p, d, 128, 0, rng(), tables=(p_ids, d_ids))[0]
+        per_layer = 1 if p_lay == "block-major" else 4
+        assert plan.descriptors == 4 * per_layer  # joint streaks: 3, 2, 2, 1

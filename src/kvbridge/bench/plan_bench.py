@@ -30,6 +30,9 @@ class PlanCase:
     bytes: int
     bytes_per_descriptor: float
     geometry_ms: float
+    floor_us: float
+    """Same run: bare numpy arithmetic for one address per (layer, block) on both sides
+    plus lengths, i.e. what any per-request descriptor builder must at least do."""
 
 
 def bound_all(spec: ModelSpec, par: Parallel, layout: str, blocks: int, base: int) -> list[Bound]:
@@ -74,6 +77,7 @@ def run_case(
         plan = geom.plan(tokens, p_ids, d_ids)
         times.append(time.perf_counter_ns() - t)
     us = float(np.median(times[20:])) / 1e3
+    floor = _floor_us(len(spec.layers), p_ids[0], d_ids[0], calls)
     return PlanCase(
         spec.name,
         tokens,
@@ -86,7 +90,21 @@ def run_case(
         plan.nbytes,
         round(plan.nbytes / max(plan.descriptors, 1), 1),
         round(geo_ms, 2),
+        round(floor, 2),
     )
+
+
+def _floor_us(layers: int, p_ids: np.ndarray, d_ids: np.ndarray, calls: int) -> float:
+    offs = (np.arange(layers, dtype=np.int64) << 32)[:, None]
+    length = np.full(layers, 65536, np.int64)
+    times = []
+    for _ in range(calls + 20):
+        t = time.perf_counter_ns()
+        (offs + p_ids * 65536).ravel()
+        (offs + d_ids * 65536).ravel()
+        np.repeat(length, p_ids.shape[0])
+        times.append(time.perf_counter_ns() - t)
+    return float(np.median(times[20:])) / 1e3
 
 
 def cases(calls: int = 300) -> list[PlanCase]:

@@ -134,7 +134,7 @@ class Geometry:
                 for k_lo, k_hi, s, t, _ in spans:
                     pat = b.pattern(s, t)
                     out.append(_apply(pat, ptab, dtab, k_lo, k_hi, gg.np_, gg.nd))
-                    uses.append(Use(b.src_rank, pat, k_hi - k_lo))
+                    uses.append((b.src_rank, pat, k_hi - k_lo))
             if first < n_tokens:
                 lo, hi = (0, 1) if gg.state else (first // gg.bd, -(-n_tokens // gg.bd))
                 written.setdefault(gg.pool, []).append(dtab[lo:hi])
@@ -214,8 +214,11 @@ def _apply(
     """
     if np_ == 1 and nd == 1:
         pid, did = ptab[k_lo:k_hi], dtab[k_lo:k_hi]
-        if pat.streakable and k_hi - k_lo > 1 and np.count_nonzero(pid[1:] - pid[:-1] == 1):
+        if pat.streakable and _may_continue(pid, did):
             brk = (pid[1:] != pid[:-1] + 1) | (did[1:] != did[:-1] + 1)
+            if not brk.any():  # one streak: one run per pattern run
+                src = pat.soff + int(pid[0]) * pat.sstr
+                return src, pat.doff + int(did[0]) * pat.dstr, pat.length * pid.shape[0]
             if not brk.all():
                 return _streaks(pat, pid, did, brk)
     else:
@@ -223,7 +226,17 @@ def _apply(
         did = dtab[k_lo * nd : k_hi * nd].reshape(-1, nd)[:, pat.dbit].T
     src = _addresses(pat.soff_c, pid, pat.sstride, pat.sstr_c)
     dst = _addresses(pat.doff_c, did, pat.dstride, pat.dstr_c)
-    return src, dst, np.repeat(pat.length, k_hi - k_lo)
+    return src, dst, pat.lengths(k_hi - k_lo)
+
+
+def _may_continue(pid: np.ndarray, did: np.ndarray) -> bool:
+    """Cheap test whether consecutive ids are worth looking for: a sampled neighbour
+    pair continues on both sides. Only the descriptor count depends on it, never bytes."""
+    n = pid.shape[0]
+    for i in (0, n // 2, n - 2) if n > 1 else ():
+        if pid[i + 1] == pid[i] + 1 and did[i + 1] == did[i] + 1:
+            return True
+    return False
 
 
 def _addresses(off_c: np.ndarray, ids: np.ndarray, stride: int, stride_c: np.ndarray) -> np.ndarray:

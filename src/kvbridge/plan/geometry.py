@@ -62,6 +62,18 @@ class Pattern:
     """The block stride shared by every run on the P side, or 0 if they differ."""
     dstride: int = field(init=False)
 
+    _lengths: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def lengths(self, tiles: int) -> np.ndarray:
+        """Run lengths over ``tiles`` tiles, run-major; cached and read-only."""
+        out = self._lengths.get(tiles)
+        if out is None:
+            out = np.repeat(self.length, tiles)
+            out.flags.writeable = False
+            if len(self._lengths) < 4096:
+                self._lengths[tiles] = out
+        return out
+
     def __post_init__(self) -> None:
         us, ud = np.unique(self.sstr), np.unique(self.dstr)
         self.sstride = int(us[0]) if us.shape[0] == 1 else 0

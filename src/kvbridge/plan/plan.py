@@ -8,14 +8,8 @@ from kvbridge.plan.geometry import Pattern
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import Kind
 
-
-@dataclass(frozen=True, slots=True)
-class Use:
-    """Pattern ``pattern`` applied to ``tiles`` tiles for source ``src``."""
-
-    src: int
-    pattern: Pattern
-    tiles: int
+Use = tuple[int, Pattern, int]
+"""``(source rank, pattern, tiles)``: a pattern applied to that many tiles."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +44,13 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
-        return sum(u.pattern.nbytes * u.tiles for u in self.uses)
+        return sum(pat.nbytes * tiles for _, pat, tiles in self.uses)
 
     def summary(self) -> PlanSummary:
         by_kind = {str(k): 0 for k in Kind}
-        for u in self.uses:
-            for k, b in u.pattern.kind_bytes.items():
-                by_kind[str(k)] += b * u.tiles
+        for _, pat, tiles in self.uses:
+            for k, b in pat.kind_bytes.items():
+                by_kind[str(k)] += b * tiles
         srcs = tuple(
             SourceSummary(r, runs.nbytes, len(runs)) for r, runs in sorted(self.runs.items())
         )

@@ -72,13 +72,22 @@ def _draw(pool: int, k: int, rng: np.random.Generator, shuffle: bool) -> list[in
 
 
 def run_scenario(
-    p: Side, d: Side, n: int, cached: int, rng: np.random.Generator, shuffle: bool = True
+    p: Side,
+    d: Side,
+    n: int,
+    cached: int,
+    rng: np.random.Generator,
+    shuffle: bool = True,
+    tables: tuple[list[list[int]], list[list[int]]] | None = None,
 ) -> dict[int, Plan]:
     """Fill P, plan and execute for every D rank, assert D bytes equal the reference."""
     p.allocate(rng)
     d.allocate(rng)
-    p_tabs = random_tables(p.spec, n, p.num_blocks, rng, shuffle)
-    d_tabs = random_tables(d.spec, n, d.num_blocks, rng, shuffle)
+    if tables is None:
+        p_tabs = random_tables(p.spec, n, p.num_blocks, rng, shuffle)
+        d_tabs = random_tables(d.spec, n, d.num_blocks, rng, shuffle)
+    else:
+        p_tabs, d_tabs = tables
     fabric = Fabric()
     p_agents = []
     for r in range(p.par.world):

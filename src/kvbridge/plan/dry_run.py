@@ -1,0 +1,120 @@
+"""Plan one request between two instance configurations without any memory.
+
+Layouts get synthetic, non-overlapping region addresses; planning is arithmetic on
+them, so the runs' counts and sizes are those a real pair of instances would post.
+Block tables are consecutive ids (the best case) or a seeded shuffle (a long-running
+server's pool). Every group draws from one pool, so ids never collide across groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import LayoutError
+from kvbridge.layout.build import LAYOUTS, build_layout
+from kvbridge.plan.build import Geometry
+from kvbridge.plan.geometry import Bound
+from kvbridge.plan.plan import PlanSummary
+from kvbridge.spec.info import ModelInfo
+from kvbridge.spec.model import ModelSpec
+from kvbridge.spec.parallel import Parallel
+
+_P_BASE = 1 << 44
+_D_BASE = 1 << 53
+_RANK_SPAN = 1 << 40
+_ALIGN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One side's configuration: TP, PP, tokens per block (all token groups), layout."""
+
+    tp: int = 1
+    pp: int = 1
+    block: int = 16
+    layout: str = "nhd"
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise LayoutError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+
+    def describe(self) -> str:
+        return f"tp={self.tp} pp={self.pp} block={self.block} layout={self.layout}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """The plan summary of one D rank."""
+
+    rank: int
+    stage: int
+    tp_rank: int
+    summary: PlanSummary
+
+
+def dry_run(
+    info: ModelInfo,
+    p: Instance,
+    d: Instance,
+    tokens: int,
+    cached: int = 0,
+    shuffle_seed: int | None = None,
+    d_ranks: Sequence[int] | None = None,
+) -> list[RankPlan]:
+    """Plan a request of ``tokens`` prefilled tokens (``cached`` on D) for every D rank
+    (or those in ``d_ranks``). Raises the library's typed errors on bad input."""
+    for inst in (p, d):
+        info.check_tp(inst.tp)
+    p_par = Parallel(p.tp, p.pp, info.stages(p.pp))
+    d_par = Parallel(d.tp, d.pp, info.stages(d.pp))
+    p_spec = info.spec.with_block_sizes(p.block)
+    d_spec = info.spec.with_block_sizes(d.block)
+    pool = max(_pool_size(p_spec, tokens), _pool_size(d_spec, tokens))
+    rng = np.random.default_rng(shuffle_seed)
+    shuffle = shuffle_seed is not None
+    p_tables = _tables(p_spec, tokens, pool, rng, shuffle)
+    d_tables = _tables(d_spec, tokens, pool, rng, shuffle)
+    p_bound = [_bound(p_spec, p_par, r, p.layout, pool, _P_BASE) for r in range(p_par.world)]
+    out = []
+    for r in range(d_par.world) if d_ranks is None else d_ranks:
+        d_bound = _bound(d_spec, d_par, r, d.layout, pool, _D_BASE)
+        geom = Geometry(p_spec, d_spec, p_par, d_par, p_bound, d_bound, r)
+        plan = geom.plan(tokens, p_tables, d_tables, cached)
+        stage, tp_rank = d_par.coords(r)
+        out.append(RankPlan(r, stage, tp_rank, plan.summary()))
+    return out
+
+
+def _needs(spec: ModelSpec, tokens: int) -> list[int]:
+    """Blocks each group needs for ``tokens`` tokens (state groups: one slot)."""
+    return [
+        1 if spec.is_state_group(g) else -(-tokens // grp.block_size)
+        for g, grp in enumerate(spec.groups)
+    ]
+
+
+def _pool_size(spec: ModelSpec, tokens: int) -> int:
+    return sum(_needs(spec, tokens))
+
+
+def _tables(
+    spec: ModelSpec, tokens: int, pool: int, rng: np.random.Generator, shuffle: bool
+) -> list[np.ndarray]:
+    ids = rng.permutation(pool) if shuffle else np.arange(pool)
+    out, pos = [], 0
+    for k in _needs(spec, tokens):
+        out.append(ids[pos : pos + k].astype(np.int64))
+        pos += k
+    return out
+
+
+def _bound(spec: ModelSpec, par: Parallel, rank: int, layout: str, pool: int, base: int) -> Bound:
+    lay = build_layout(spec, par, rank, layout, pool)
+    addrs, pos = [], base + rank * _RANK_SPAN
+    for n in lay.regions:
+        addrs.append(pos)
+        pos += -(-n // _ALIGN) * _ALIGN + _ALIGN
+    return Bound(lay, tuple(addrs))
