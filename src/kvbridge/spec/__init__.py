@@ -2,6 +2,9 @@
 
 from kvbridge.spec.build import attention, group_by_kind, mamba2, mla, state, state_tensor
 from kvbridge.spec.dtypes import DType, parse_dtype
+from kvbridge.spec.hf import from_hf_config
+from kvbridge.spec.info import ModelInfo
+from kvbridge.spec.load import load_model
 from kvbridge.spec.model import Group, Kind, Layer, ModelSpec, Segment, Stream
 from kvbridge.spec.parallel import Parallel
 from kvbridge.spec.sharding import shard_interval
@@ -11,12 +14,15 @@ __all__ = [
     "Group",
     "Kind",
     "Layer",
+    "ModelInfo",
     "ModelSpec",
     "Parallel",
     "Segment",
     "Stream",
     "attention",
+    "from_hf_config",
     "group_by_kind",
+    "load_model",
     "mamba2",
     "mla",
     "parse_dtype",

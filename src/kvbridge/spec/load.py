@@ -1,0 +1,38 @@
+"""One entry point for a model description on disk: a directory holding ``config.json``,
+a ``config.json`` itself, or a kvbridge spec file (``.toml``, or JSON with
+``kvbridge_spec``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvbridge.errors import ConfigError
+from kvbridge.spec.dtypes import DType
+from kvbridge.spec.hf import from_hf_config, load_config
+from kvbridge.spec.info import ModelInfo
+from kvbridge.spec.specfile import is_spec_file, load_spec_file, spec_from_dict
+
+
+def load_model(
+    path: str | Path, kv_dtype: DType | None = None, ssm_dtype: DType | None = None
+) -> ModelInfo:
+    """The spec of the model at ``path``; a config's name is its directory's name."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"{p}: directory has no config.json")
+        p = p / "config.json"
+    if p.suffix == ".toml":
+        _no_ssm_override(ssm_dtype)
+        return load_spec_file(p, kv_dtype)
+    data = load_config(p)
+    if is_spec_file(data):
+        _no_ssm_override(ssm_dtype)
+        return spec_from_dict(data, kv_dtype)
+    name = p.resolve().parent.name if p.name == "config.json" else p.stem
+    return from_hf_config(data, name, kv_dtype, ssm_dtype)
+
+
+def _no_ssm_override(ssm_dtype: DType | None) -> None:
+    if ssm_dtype is not None:
+        raise ConfigError("--ssm-dtype: a spec file names the dtype of each state stream")

@@ -1,0 +1,224 @@
+"""The neutral spec file (``docs/spec-file.md``): a model spec in TOML or JSON, for engines
+and models without a Hugging Face config. It says everything the Python API can say.
+
+    kvbridge_spec = 1                  # format version (required)
+    name = "tiny-hybrid"
+    dtype = "bfloat16"                 # default dtype of every stream
+    block_size = 16                    # default block size of the default groups
+
+    [[layers]]                         # in order; ``repeat`` copies an entry
+    kind = "full"                      # full | sliding | chunked | mla | state
+    kv_heads = 8                       # shorthand: streams k and v
+    head_dim = 128
+    repeat = 2
+
+    [[layers]]
+    kind = "state"
+    streams = [{ name = "conv_state", rows = 3, segments = [[64, 64], [8, 128], [8, 128]] }]
+
+A segment is ``[units, elements per unit]``, ``{units, elements}`` or ``{units, bytes}``.
+``groups`` is optional (default: one group per needed-range kind).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvbridge.errors import ConfigError
+from kvbridge.spec.build import attention, mla
+from kvbridge.spec.dtypes import DType
+from kvbridge.spec.hf_fields import Fields
+from kvbridge.spec.info import ModelInfo, default_groups
+from kvbridge.spec.model import Group, Kind, Layer, ModelSpec, Segment, Stream
+
+VERSION = 1
+_TOP_KEYS = {"kvbridge_spec", "name", "dtype", "block_size", "layers", "groups"}
+_LAYER_KEYS = {"kind", "window", "chunk", "streams", "repeat", "dtype"}
+_KV_KEYS = {"kv_heads", "head_dim", "v_head_dim"}
+_STREAM_KEYS = {"name", "segments", "dtype", "rows", "replicated"}
+_GROUP_KEYS = {"name", "layers", "block_size"}
+
+
+def is_spec_file(data: Mapping[str, Any]) -> bool:
+    return "kvbridge_spec" in data
+
+
+def load_spec_file(path: str | Path, kv_dtype: DType | None = None) -> ModelInfo:
+    """Read a ``.toml`` or ``.json`` spec file. ``kv_dtype`` replaces the dtype of every
+    per-token stream whose segments are given in elements."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'JSON'} ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected an object at the top level")
+    return spec_from_dict(data, kv_dtype)
+
+
+def spec_from_dict(data: Mapping[str, Any], kv_dtype: DType | None = None) -> ModelInfo:
+    f = _fields(data, "", _TOP_KEYS)
+    version = f.req_int("kvbridge_spec")
+    if version != VERSION:
+        raise ConfigError(f"kvbridge_spec: version {version} is not supported (only {VERSION})")
+    dtype = f.dtype("dtype") or DType.BF16
+    layers: list[Layer] = []
+    for i, entry in enumerate(f.items("layers")):
+        lf = _fields(entry, f"layers[{i}].", _LAYER_KEYS | _KV_KEYS | {"latent_width"})
+        for _ in range(lf.opt_int("repeat") or 1):
+            layers.append(_layer(lf, len(layers), lf.dtype("dtype") or dtype, kv_dtype))
+    if not layers:
+        raise ConfigError("layers: the spec has no layers")
+    block_size = f.opt_int("block_size") or 16
+    if f.has("groups"):
+        groups = tuple(_group(g, i, block_size) for i, g in enumerate(f.items("groups")))
+    else:
+        groups = default_groups(layers, block_size)
+    name = f.text("name") if f.has("name") else "spec"
+    spec = ModelSpec(name, tuple(layers), groups)
+    return ModelInfo(spec, "spec file", tuple(range(len(layers))))
+
+
+def _fields(data: Any, prefix: str, known: set[str]) -> Fields:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'top level'}: expected an object, got {data!r}")
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}: unknown key; known: {', '.join(sorted(known))}")
+    return Fields(data, prefix)
+
+
+def _kind(f: Fields) -> Kind:
+    name = f.text("kind")
+    try:
+        return Kind(name)
+    except ValueError:
+        known = ", ".join(k.value for k in Kind)
+        raise ConfigError(f"{f.path('kind')}: unknown kind {name!r}; known: {known}") from None
+
+
+def _layer(f: Fields, index: int, dtype: DType, kv_dtype: DType | None) -> Layer:
+    kind = _kind(f)
+    window = f.req_int("window") if kind is Kind.SLIDING else 0
+    chunk = f.req_int("chunk") if kind is Kind.CHUNKED else 0
+    for key, needed in (("window", Kind.SLIDING), ("chunk", Kind.CHUNKED)):
+        if f.has(key) and kind is not needed:
+            raise ConfigError(f"{f.path(key)}: only {needed} layers have one (kind is {kind})")
+    shorthand = [k for k in (*sorted(_KV_KEYS), "latent_width") if f.has(k)]
+    if f.has("streams") == bool(shorthand):
+        raise ConfigError(
+            f"{f.path('streams')}: give either streams or a shorthand "
+            f"(kv_heads/head_dim, latent_width), not {'both' if shorthand else 'neither'}"
+        )
+    tok_dtype = kv_dtype or dtype
+    if shorthand:
+        return _shorthand(f, index, kind, tok_dtype, window, chunk)
+    streams = tuple(
+        _stream(s, f"{f.path('streams')}[{i}].", kind, dtype, kv_dtype)
+        for i, s in enumerate(f.items("streams"))
+    )
+    return Layer(index, kind, streams, window=window, chunk=chunk)
+
+
+def _shorthand(f: Fields, index: int, kind: Kind, dtype: DType, window: int, chunk: int) -> Layer:
+    if kind is Kind.MLA:
+        if any(f.has(k) for k in _KV_KEYS):
+            raise ConfigError(f"{f.path('kv_heads')}: an mla layer takes latent_width only")
+        return mla(index, f.req_int("latent_width"), dtype)
+    if kind is Kind.STATE or f.has("latent_width"):
+        raise ConfigError(
+            f"{f.path('kind')}: the shorthand is kv_heads/head_dim for full, sliding and "
+            f"chunked layers, latent_width for mla; {kind} layers list their streams"
+        )
+    v_dim = f.opt_int("v_head_dim")
+    return attention(
+        index, f.req_int("kv_heads"), f.req_int("head_dim"), dtype, kind, window, chunk, v_dim
+    )
+
+
+def _stream(data: Any, prefix: str, kind: Kind, dtype: DType, kv_dtype: DType | None) -> Stream:
+    f = _fields(data, prefix, _STREAM_KEYS)
+    rows = f.opt_int("rows", minimum=0) or 0
+    dt = f.dtype("dtype") or dtype
+    per_token = kind is not Kind.STATE
+    if kv_dtype is not None and per_token:
+        dt = kv_dtype
+    segs = tuple(
+        _segment(s, f"{f.path('segments')}[{i}]", dt, kv_dtype is not None and per_token)
+        for i, s in enumerate(f.items("segments"))
+    )
+    replicated = f.flag("replicated", False)
+    return Stream(f.text("name"), segs, dt, rows=rows, replicated=replicated)
+
+
+def _segment(data: Any, where: str, dtype: DType, rescaled: bool) -> Segment:
+    if isinstance(data, list):
+        if len(data) != 2:
+            raise ConfigError(f"{where}: expected [units, elements], got {data!r}")
+        data = {"units": data[0], "elements": data[1]}
+    f = _fields(data, where + ".", {"units", "elements", "bytes"})
+    units = f.req_int("units")
+    if f.has("elements") == f.has("bytes"):
+        raise ConfigError(f"{where}: give exactly one of elements and bytes")
+    if f.has("bytes"):
+        if rescaled:
+            raise ConfigError(f"{where}.bytes: a KV dtype override cannot rescale bytes")
+        return Segment(units, f.req_int("bytes"))
+    return Segment(units, f.req_int("elements") * dtype.itemsize)
+
+
+def _group(data: Any, i: int, block_size: int) -> Group:
+    f = _fields(data, f"groups[{i}].", _GROUP_KEYS)
+    layers = tuple(f.int_list("layers"))
+    return Group(f.text("name"), layers, f.opt_int("block_size") or block_size)
+
+
+def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
+    """The explicit file form of ``spec`` (every stream and group spelled out)."""
+    return {
+        "kvbridge_spec": VERSION,
+        "name": spec.name,
+        "layers": [_layer_dict(lay) for lay in spec.layers],
+        "groups": [
+            {"name": g.name, "layers": list(g.layers), "block_size": g.block_size}
+            for g in spec.groups
+        ],
+    }
+
+
+def dump_spec_file(spec: ModelSpec) -> str:
+    """``spec`` as a JSON spec file."""
+    return json.dumps(spec_to_dict(spec), indent=1)
+
+
+def _layer_dict(lay: Layer) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": str(lay.kind)}
+    if lay.kind is Kind.SLIDING:
+        out["window"] = lay.window
+    if lay.kind is Kind.CHUNKED:
+        out["chunk"] = lay.chunk
+    out["streams"] = [_stream_dict(s) for s in lay.streams]
+    return out
+
+
+def _stream_dict(s: Stream) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": s.name, "dtype": str(s.dtype)}
+    if s.rows:
+        out["rows"] = s.rows
+    if s.replicated:
+        out["replicated"] = True
+    size = s.dtype.itemsize
+    out["segments"] = [
+        [g.units, g.unit_bytes // size]
+        if g.unit_bytes % size == 0
+        else {"units": g.units, "bytes": g.unit_bytes}
+        for g in s.segments
+    ]
+    return out
