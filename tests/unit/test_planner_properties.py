@@ -59,8 +59,8 @@ def test_random_plans_match_the_reference(
 ):
     assume(tp_ok(spec, p_tp) and tp_ok(spec, d_tp))
     p_pp, d_pp = min(p_pp, len(spec.layers)), min(d_pp, len(spec.layers))
-    p = Side(spec.with_block_sizes(p_bs), Parallel(p_tp, p_pp), p_lay, 160)
-    d = Side(spec.with_block_sizes(d_bs), Parallel(d_tp, d_pp), d_lay, 160)
+    p = Side(spec.with_block_sizes(p_bs), Parallel(p_tp, p_pp), p_lay, 300)
+    d = Side(spec.with_block_sizes(d_bs), Parallel(d_tp, d_pp), d_lay, 300)
     cached = int(cached_frac * n)
     plans = run_scenario(p, d, n, cached, np.random.default_rng(seed), shuffle)
     for plan in plans.values():

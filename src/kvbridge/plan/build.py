@@ -11,7 +11,7 @@ import numpy as np
 from kvbridge.errors import IncompatibleError, PlanError
 from kvbridge.plan.geometry import Bound, Bucket, Pattern, concat_fine, fine_runs, rule_key, tile_of
 from kvbridge.plan.plan import Plan, Use
-from kvbridge.plan.runs import Runs
+from kvbridge.plan.runs import Runs, merge_adjacent
 from kvbridge.spec.model import Layer, ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.topology.sources import sources
@@ -222,18 +222,35 @@ def _apply(
             if not brk.all():
                 return _streaks(pat, pid, did, brk)
     else:
-        pid = ptab[k_lo * np_ : k_hi * np_].reshape(-1, np_)[:, pat.sbit].T
-        did = dtab[k_lo * nd : k_hi * nd].reshape(-1, nd)[:, pat.dbit].T
+        praw, draw = ptab[k_lo * np_ : k_hi * np_], dtab[k_lo * nd : k_hi * nd]
+        pid = praw.reshape(-1, np_)[:, pat.sbit].T
+        did = draw.reshape(-1, nd)[:, pat.dbit].T
+        if _may_continue(praw, praw) and _may_continue(draw, draw):
+            return _sorted_merge(
+                _addresses(pat.soff_c, pid, 0, pat.sstr_c),
+                _addresses(pat.doff_c, did, 0, pat.dstr_c),
+                pat.lengths(k_hi - k_lo),
+            )
     src = _addresses(pat.soff_c, pid, pat.sstride, pat.sstr_c)
     dst = _addresses(pat.doff_c, did, pat.dstride, pat.dstr_c)
     return src, dst, pat.lengths(k_hi - k_lo)
+
+
+def _sorted_merge(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tiles of several blocks with consecutive ids: runs that continue each other on both
+    sides need not be neighbours in (run, tile) order; order by source, then merge."""
+    order = np.argsort(src, kind="stable")
+    runs = merge_adjacent(src[order], dst[order], length[order])
+    return runs.src, runs.dst, runs.length
 
 
 def _may_continue(pid: np.ndarray, did: np.ndarray) -> bool:
     """Cheap test whether consecutive ids are worth looking for: a sampled neighbour
     pair continues on both sides. Only the descriptor count depends on it, never bytes."""
     n = pid.shape[0]
-    for i in (0, n // 2, n - 2) if n > 1 else ():
+    for i in (0, (n - 1) // 2, n - 2) if n > 1 else ():
         if pid[i + 1] == pid[i] + 1 and did[i + 1] == did[i] + 1:
             return True
     return False
