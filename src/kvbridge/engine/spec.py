@@ -1,0 +1,50 @@
+"""The kvbridge :class:`ModelSpec` of a config: exactly what the engine keeps in its cache.
+
+full / sliding   streams k, v       units = KV heads, head_dim float64 each
+mla              stream latent      1 replicated unit of kv_lora_rank + rope_dim
+gdn / kda        stream conv        kernel-1 rows of q | k | v channels, by head
+                 stream recurrent   1 row, units = heads, key_dim·value_dim each
+mamba            stream conv        kernel-1 rows of x | B | C channels
+                 stream ssm         1 row, units = heads, head_dim·d_state each
+"""
+
+from __future__ import annotations
+
+from kvbridge.engine.config import ModelConfig
+from kvbridge.spec import (
+    DType,
+    Kind,
+    Layer,
+    ModelSpec,
+    attention,
+    group_by_kind,
+    mamba2,
+    mla,
+    state,
+    state_tensor,
+)
+
+F64 = DType.FP64
+
+
+def model_spec(cfg: ModelConfig, block_size: int = 16) -> ModelSpec:
+    """One group per kind present (see :func:`group_by_kind`), ``block_size`` tokens."""
+    layers = [_layer(i, mixer, cfg) for i, mixer in enumerate(cfg.pattern)]
+    return group_by_kind(cfg.name, layers, block_size)
+
+
+def _layer(i: int, mixer: str, c: ModelConfig) -> Layer:
+    if mixer == "full":
+        return attention(i, c.kv_heads, c.head_dim, F64)
+    if mixer == "sliding":
+        return attention(i, c.kv_heads, c.head_dim, F64, Kind.SLIDING, window=c.window)
+    if mixer == "mla":
+        return mla(i, c.kv_lora_rank + c.rope_dim, F64)
+    if mixer == "mamba":
+        return mamba2(
+            i, c.ssm_heads, c.ssm_head_dim, c.ssm_groups, c.ssm_state, c.conv_kernel, F64, F64
+        )
+    h, dk, dv = c.lin_heads, c.lin_key_dim, c.lin_value_dim
+    conv = state_tensor("conv", c.conv_kernel - 1, [(h, dk), (h, dk), (h, dv)], F64)
+    recurrent = state_tensor("recurrent", 1, [(h, dk * dv)], F64)
+    return state(i, [conv, recurrent])
