@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,8 +16,8 @@ from kvbridge.spec.hf import ARCHS, from_hf_config, load_config
 from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.model import Layer, ModelSpec
 from kvbridge.testing.scenario import Side, run_scenario
+from tests.fixtures import MODELS_DIR
 
-MODELS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
 MODELS = (
     "deepseek-v2-lite",
     "deepseek-v3",
