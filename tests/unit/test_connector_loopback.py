@@ -20,6 +20,7 @@ from kvbridge.control.channel import Client
 from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import ErrorReply, Handshake, Message, unseal
 from kvbridge.errors import PeerError
+from kvbridge.layout import build_layout
 from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
 from kvbridge.testing.reference import expected_dest, fill_source
 from kvbridge.testing.scenario import Side, random_tables
@@ -220,3 +221,41 @@ def _shared_world() -> World:
 def teardown_module() -> None:
     for w in _WORLD:
         w.close()
+
+
+def test_restarted_p_instance_is_re_handshaken(world):
+    handle, d_tabs = world.request("first", 20)
+    world.consumers[0].load(handle, d_tabs)
+    assert world.wait()[0].ok
+    # P restarts: same engine id, new memory, new agents, new side channel and epoch
+    world.producer.close()
+    world.p = Side(SPEC, Parallel(2), "nhd", 32)
+    world.p.allocate(world.rng)
+    world.producer = Producer("P", SPEC, world.p.par, SECRET)
+    for r in range(2):
+        agent = LoopbackTransport(f"p{r}-restarted", world.fabric)
+        bases = list(world.p.bound(r).bases)
+        world.producer.add_rank(ProducerWorker(r, world.p.layouts[r], bases, agent).info)
+    before = [[b.copy() for b in bufs] for bufs in world.d.bufs]
+    handle, d_tabs = world.request("second", 33)
+    assert handle.epoch != world.consumers[0].peers.known(handle).epoch
+    world.consumers[0].load(handle, d_tabs)
+    out = world.wait()[0]
+    assert out.ok, out.error
+    check_bytes(world, before, 33, 0, d_tabs)
+
+
+def test_p_with_another_model_is_refused(world):
+    other = group_by_kind("other", [attention(0, 4, 16), attention(1, 4, 16), mla(2, 32)], 16)
+    producer = Producer("P2", other, Parallel(1), SECRET)
+    try:
+        agent = LoopbackTransport("other-p0", world.fabric)
+        lay = build_layout(other, Parallel(1), 0, "nhd", 8)
+        bufs = [np.zeros(n, np.uint8) for n in lay.regions]
+        producer.add_rank(ProducerWorker(0, lay, [b.ctypes.data for b in bufs], agent).info)
+        handle = producer.prefill_done("x", [[0, 1]], 20)
+        world.consumers[0].load(handle, [[0, 1, 2], [3, 4, 5]])
+        (out,) = world.wait()
+        assert not out.ok and "IncompatibleError" in out.error and "differs" in out.error
+    finally:
+        producer.close()
