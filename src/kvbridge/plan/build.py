@@ -9,10 +9,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.errors import IncompatibleError, PlanError
-from kvbridge.plan.geometry import Bound, Bucket, Pattern, concat_fine, fine_runs, rule_key, tile_of
+from kvbridge.plan.geometry import (
+    Bound,
+    Bucket,
+    Pattern,
+    RuleKey,
+    concat_fine,
+    fine_runs,
+    rule_key,
+    tile_of,
+)
 from kvbridge.plan.plan import Plan, Use
 from kvbridge.plan.runs import Runs, merge_adjacent
-from kvbridge.spec.model import Layer, ModelSpec
+from kvbridge.spec.model import Kind, Layer, ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.topology.sources import sources
 
@@ -75,7 +84,9 @@ class Geometry:
             g = key[0]
             tile = tile_of(spec_p, spec_d, g)[0]
             single = state_or_equal(spec_p, spec_d, g)
-            bucket = Bucket(g, key[2], rules[key], tile, single, concat_fine(fines))
+            rule = rules[key]
+            rkey = (str(rule.kind), rule.window, rule.chunk)
+            bucket = Bucket(g, key[2], rule, rkey, tile, single, concat_fine(fines))
             buckets.setdefault(g, []).append(bucket)
         groups = []
         for g in range(len(spec_d.groups)):
@@ -121,12 +132,13 @@ class Geometry:
         uses: list[Use] = []
         chunks: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         written: dict[int, list[np.ndarray]] = {}
+        limits: dict[int, int] = {}
         for g, gg in enumerate(self.groups):
             ptab = _table(p_tables[g], gg.p_blocks, n_tokens, gg, gg.bp, "P", g)
-            dtab = _table(d_tables[g], gg.d_blocks, n_tokens, gg, gg.bd, "D", g)
+            dtab = _table(d_tables[g], 0, n_tokens, gg, gg.bd, "D", g)
             first = n_tokens
             for b in gg.buckets:
-                spans = _spans(b.rule, n_tokens, cached, gg.tile)
+                spans = _spans(b.rule_key, n_tokens, cached, gg.tile)
                 if not spans:
                     continue
                 first = min(first, spans[0][4])
@@ -138,8 +150,9 @@ class Geometry:
             if first < n_tokens:
                 lo, hi = (0, 1) if gg.state else (first // gg.bd, -(-n_tokens // gg.bd))
                 written.setdefault(gg.pool, []).append(dtab[lo:hi])
+                limits[gg.pool] = min(limits.get(gg.pool, gg.d_blocks), gg.d_blocks)
         for pool, ids in written.items():
-            _check_unique(ids, pool)
+            _check_written(ids, pool, limits[pool])
         runs = {}
         for src, parts in chunks.items():
             if len(parts) == 1:
@@ -155,9 +168,10 @@ def state_or_equal(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _spans(rule: Layer, n: int, cached: int, tile: int) -> tuple[tuple[int, ...], ...]:
-    """Tile spans ``(k_lo, k_hi, s, t, first token)`` of a layer rule's needed range."""
-    a, e = rule.needed_tokens(n, cached)
+def _spans(rule: RuleKey, n: int, cached: int, tile: int) -> tuple[tuple[int, ...], ...]:
+    """Tile spans ``(k_lo, k_hi, s, t, first token)`` of a rule's needed token range."""
+    kind, window, chunk = rule
+    a, e = Layer(0, Kind(kind), (), window, chunk).needed_tokens(n, cached)
     if a >= e:
         return ()
     return tuple((*span, a) for span in _tile_spans(a, e, tile))
@@ -166,7 +180,10 @@ def _spans(rule: Layer, n: int, cached: int, tile: int) -> tuple[tuple[int, ...]
 def _table(
     ids: Sequence[int] | np.ndarray, limit: int, n: int, gg: GroupGeom, bs: int, side: str, g: int
 ) -> np.ndarray:
-    """Block ids as int64, range-checked over the entries a request of ``n`` tokens uses."""
+    """Block ids as int64, range-checked (if ``limit``) over the entries ``n`` tokens use.
+
+    D's ids are checked where they are written (:func:`_check_written`): only those are
+    ever addressed."""
     tab = np.asarray(ids, dtype=np.int64)
     need = 1 if gg.state else -(-n // bs)
     if tab.ndim != 1 or tab.shape[0] < need:
@@ -175,7 +192,7 @@ def _table(
             f"entries; {n} tokens need {need}"
         )
     used = tab[:need]
-    if used.view(np.uint64).max() >= limit:  # negative ids wrap to huge values
+    if limit and used.view(np.uint64).max() >= limit:  # negative ids wrap to huge values
         lo, hi = int(used.min()), int(used.max())
         raise PlanError(f"group {g}: {side} block ids span [{lo}, {hi}]; valid are [0, {limit})")
     per_tile = gg.np_ if side == "P" else gg.nd
@@ -273,10 +290,13 @@ def _streaks(
     return src, dst, (pat.len_c * counts).ravel()
 
 
-def _check_unique(ids: list[np.ndarray], pool: int) -> None:
-    allids = np.concatenate(ids) if len(ids) > 1 else ids[0]
-    if allids.shape[0] > 1:
-        srt = np.sort(allids)
+def _check_written(ids: list[np.ndarray], pool: int, limit: int) -> None:
+    """D block ids about to be written: in ``[0, limit)`` and each used once per pool."""
+    srt = np.sort(np.concatenate(ids) if len(ids) > 1 else ids[0])
+    if srt[0] < 0 or srt[-1] >= limit:
+        lo, hi = int(srt[0]), int(srt[-1])
+        raise PlanError(f"D block ids span [{lo}, {hi}]; valid are [0, {limit})")
+    if srt.shape[0] > 1:
         same = srt[1:] == srt[:-1]
         if np.count_nonzero(same):
             dup = int(srt[1:][same][0])

@@ -91,6 +91,7 @@ class Bucket:
     src_rank: int
     rule: Layer
     """A layer of the bucket; its ``needed_tokens`` gives the range for all."""
+    rule_key: RuleKey
     tile: int
     single: bool
     """One block per side per tile."""
@@ -103,6 +104,10 @@ class Bucket:
         if pat is None:
             pat = self._patterns[(s, e)] = _coalesce(self.fine, s, e, self.single)
         return pat
+
+
+RuleKey = tuple[str, int, int]
+"""``(kind, window, chunk)``: what a layer's needed token range depends on."""
 
 
 def rule_key(layer: Layer) -> tuple[str, int]:
