@@ -1,4 +1,4 @@
-"""Colocated generation: TP over processes (gloo) gives the tokens of TP 1."""
+"""Colocated generation: TP and PP over processes (gloo) give the tokens of TP 1."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def colocated(name: str) -> tuple[int, ...]:
 @pytest.mark.parametrize("tp", [2, 3])
 def test_tensor_parallel_gives_the_tokens_of_tp1(name: str, tp: int) -> None:
     assert tuple(generate(name, PROMPT, tp=tp, n_new_tokens=NEW_TOKENS)) == colocated(name)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 3)])
+def test_pipeline_stages_give_the_tokens_of_one_rank(name: str, tp: int, pp: int) -> None:
+    tokens = generate(name, PROMPT, tp=tp, pp=pp, n_new_tokens=NEW_TOKENS)
+    assert tuple(tokens) == colocated(name)
 
 
 def test_one_rank_in_a_worker_process_matches_in_process() -> None:

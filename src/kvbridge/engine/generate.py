@@ -17,9 +17,10 @@ def generate(
     layout: str = "nhd",
     block_size: int = 16,
     processes: bool | None = None,
+    pp: int = 1,
 ) -> list[int]:
     """``n_new_tokens`` greedy tokens after ``prompt`` (text is byte-encoded after BOS)."""
     tokens = encode(prompt) if isinstance(prompt, str) else list(prompt)
-    with Instance(model, tp, block_size, layout, processes=processes) as inst:
+    with Instance(model, tp, block_size, layout, processes=processes, pp=pp) as inst:
         first = inst.prefill("generate", tokens).first_token
         return [first, *inst.decode("generate", n_new_tokens - 1)]

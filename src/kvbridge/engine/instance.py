@@ -1,4 +1,4 @@
-"""An instance: ``tp`` ranks sharing block tables, driven request by request.
+"""An instance: ``tp · pp`` ranks sharing block tables, driven request by request.
 
 Request lifecycle (one record per request, transitions checked):
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from kvbridge.engine.blocks import BlockAllocator, Tables
 from kvbridge.engine.config import ModelConfig, preset
 from kvbridge.engine.errors import EngineError
-from kvbridge.engine.messages import Boot, Extend, Sampled
+from kvbridge.engine.messages import Boot, Extend, KVCommand, Reply, Sampled
 from kvbridge.engine.ranks import LocalRanks, ProcessRanks
 from kvbridge.engine.spec import model_spec
 from kvbridge.layout import RankLayout, build_layout
@@ -50,10 +50,12 @@ class Prefilled:
 
 
 class Instance:
-    """A model on ``tp`` ranks with its own block size, layout name and pool size.
+    """A model on ``tp · pp`` ranks with its own block size, layout name and pool size.
 
     ``processes``: one worker process per rank (TP over gloo); default: in this process
-    when ``tp == 1`` (its cache is then this process's memory), else processes.
+    when ``tp == pp == 1`` (its cache is then this process's memory), else processes.
+    ``pp``: pipeline stages of ``tp`` ranks each (contiguous layer ranges, as kvbridge's
+    ``Parallel`` splits them); ranks are numbered ``stage · tp + tp_rank``.
     ``num_blocks``: blocks per group (state groups: sequence slots); ``timeout_s``: the
     longest wait for the ranks' answer to one command.
     """
@@ -67,18 +69,20 @@ class Instance:
         num_blocks: int = 64,
         processes: bool | None = None,
         timeout_s: float = 120.0,
+        pp: int = 1,
     ) -> None:
         self.config = preset(model)
         self.spec = model_spec(self.config, block_size)
-        self.parallel = Parallel(tp=tp)
+        self.parallel = Parallel(tp, pp)
         self._layouts = [
-            build_layout(self.spec, self.parallel, r, layout, num_blocks) for r in range(tp)
+            build_layout(self.spec, self.parallel, r, layout, num_blocks)
+            for r in range(self.parallel.world)
         ]
         state = tuple(self.spec.is_state_group(g) for g in range(len(self.spec.groups)))
         self._blocks = BlockAllocator(self._layouts[0], state)
         self._requests: dict[str, Request] = {}
-        boot = Boot(self.config, block_size, layout, num_blocks, tp)
-        in_process = tp == 1 if processes is None else not processes
+        boot = Boot(self.config, block_size, layout, num_blocks, tp, pp=pp)
+        in_process = self.parallel.world == 1 if processes is None else not processes
         self._ranks = LocalRanks(boot) if in_process else ProcessRanks(boot, timeout_s)
         self.in_process = in_process
         for r, lay in enumerate(self._layouts):
@@ -87,6 +91,16 @@ class Instance:
     @property
     def tp(self) -> int:
         return self.parallel.tp
+
+    @property
+    def world(self) -> int:
+        """Ranks of the instance: ``tp · pp``."""
+        return self.parallel.world
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Process id of every rank (empty when the rank runs in this process)."""
+        return self._ranks.pids
 
     def layout(self, rank: int) -> RankLayout:
         return self._layouts[rank]
@@ -144,6 +158,11 @@ class Instance:
             out.append(token)
         return out
 
+    def call_ranks(self, cmd: KVCommand) -> list[Reply]:
+        """Send a connector command to every rank (see :mod:`kvbridge.engine.kv_rank`);
+        one reply per rank, in rank order. A failed rank raises :class:`EngineError`."""
+        return self._ranks.call(cmd)
+
     def free(self, req_id: str) -> None:
         self._blocks.release(self._request(req_id).tables)
         del self._requests[req_id]
@@ -175,7 +194,7 @@ class Instance:
         cmd = Extend(tuple(req.tokens[req.computed : upto]), req.computed, _frozen(req.tables))
         replies = self._ranks.call(cmd)
         tokens = {r.token for r in replies if isinstance(r, Sampled)}
-        if len(tokens) != 1 or len(replies) != self.tp:
+        if len(tokens) != 1 or len(replies) != self.world:
             raise EngineError(f"ranks disagree on the next token: {replies}")
         req.computed = upto
         return tokens.pop()

@@ -1,7 +1,10 @@
 """Typed messages between an instance (parent) and its rank workers, over pipes.
 
-    parent → rank   Extend | Stop
-    rank → parent   Regions (once, after boot) | Sampled | Failed
+    parent → rank   Extend | Stop | ServeKV | ConsumeKV | LoadKV | AwaitKV
+    rank → parent   Regions (once, after boot) | Sampled | Failed | KVInfo | Ack | Loaded
+
+The ``*KV`` commands run kvbridge's connector next to the rank's cache (see
+:mod:`kvbridge.engine.kv_rank`): a P rank serves its blocks, a D rank loads into its own.
 
 Ranks keep no request state: every :class:`Extend` carries the positions and the block
 tables, so the parent's :class:`~kvbridge.engine.instance.Instance` is the one owner.
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.connector.consumer import Mode, Outcome, Policy
+from kvbridge.control.messages import RankInfo
 from kvbridge.engine.config import ModelConfig
 
 
@@ -26,6 +31,8 @@ class Boot:
     rank: int = 0
     port: int = 0
     """TCP port of the gloo rendezvous on 127.0.0.1 (unused at TP 1 in process)."""
+    pp: int = 1
+    """Pipeline stages; ``rank`` is global (``stage · tp + tp_rank``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,48 @@ class Stop:
 
 
 @dataclass(frozen=True, slots=True)
+class ServeKV:
+    """P rank: register the cache with a NIXL agent and serve it; reply :class:`KVInfo`."""
+
+    engine_id: str
+    secret: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumeKV:
+    """D rank: start a connector consumer over the cache; reply :class:`Ack`.
+
+    ``timeout_s``: the longest one transfer may take (seconds); ``policy``: what the
+    engine should do with a request whose transfer failed.
+    """
+
+    engine_id: str
+    secret: bytes
+    mode: Mode
+    timeout_s: float
+    policy: Policy
+
+
+@dataclass(frozen=True, slots=True)
+class LoadKV:
+    """D rank: load the request of ``handle`` (``TransferHandle`` bytes) into ``tables``
+    (block ids per group) after the ``cached`` tokens D already has; reply :class:`Ack`."""
+
+    handle: bytes
+    tables: tuple[tuple[int, ...], ...]
+    cached: int
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitKV:
+    """D rank: wait up to ``timeout_s`` seconds for the outcome of a load; reply
+    :class:`Loaded` (a failed outcome if none came in time)."""
+
+    request_id: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Regions:
     """``(address, nbytes)`` of each cache region of the rank, in layout order."""
 
@@ -61,10 +110,28 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class KVInfo:
+    """A P rank's layout, region addresses and agent metadata, for the P coordinator."""
+
+    info: RankInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     rank: int
     error: str
 
 
-Command = Extend | Stop
-Reply = Regions | Sampled | Failed
+KVCommand = ServeKV | ConsumeKV | LoadKV | AwaitKV
+Command = Extend | Stop | KVCommand
+Reply = Regions | Sampled | Failed | KVInfo | Ack | Loaded

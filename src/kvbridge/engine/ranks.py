@@ -17,8 +17,9 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
+from kvbridge.engine.comm import Comm
 from kvbridge.engine.errors import EngineError
-from kvbridge.engine.messages import Boot, Command, Extend, Failed, Regions, Reply, Stop
+from kvbridge.engine.messages import Boot, Command, Failed, Regions, Reply, Stop
 from kvbridge.engine.worker import RankEngine, worker_main
 
 BOOT_TIMEOUT_S = 120.0
@@ -29,27 +30,30 @@ class LocalRanks:
     """TP 1 in the caller's process: its cache is this process's memory."""
 
     in_process = True
+    pids: tuple[int, ...] = ()
 
     def __init__(self, boot: Boot) -> None:
-        if boot.tp != 1:
-            raise EngineError(f"in-process ranks need TP 1, got TP {boot.tp}")
-        self.engine = RankEngine(boot, lambda t: t)
+        if boot.tp != 1 or boot.pp != 1:
+            raise EngineError(f"in-process ranks need TP 1 and PP 1, got {boot.tp}, {boot.pp}")
+        self.engine = RankEngine(boot, Comm())
         self.regions = [self.engine.regions()]
 
-    def call(self, cmd: Extend) -> list[Reply]:
+    def call(self, cmd: Command) -> list[Reply]:
+        if isinstance(cmd, Stop):
+            return []
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny matmuls: more threads only wait for each other
         try:
-            return [self.engine.extend(cmd)]
+            return [self.engine.handle(cmd)]
         finally:
             torch.set_num_threads(threads)
 
     def close(self) -> None:
-        pass
+        self.engine.close()
 
 
 class ProcessRanks:
-    """``boot.tp`` worker processes in one gloo group on 127.0.0.1.
+    """``boot.tp · boot.pp`` worker processes in one gloo group on 127.0.0.1.
 
     Workers come from a forkserver that imported torch once: as safe as ``spawn``
     (the caller is never forked) and ~20× faster to start on a small machine.
@@ -64,7 +68,7 @@ class ProcessRanks:
         self.timeout_s = timeout_s
         self.conns: list[Connection] = []
         self.procs: list[BaseProcess] = []
-        for rank in range(boot.tp):
+        for rank in range(boot.tp * boot.pp):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
@@ -78,6 +82,10 @@ class ProcessRanks:
             self.procs.append(proc)
         replies = self._gather("boot", BOOT_TIMEOUT_S)
         self.regions = [r for r in replies if isinstance(r, Regions)]
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid or 0 for p in self.procs)
 
     def call(self, cmd: Command) -> list[Reply]:
         if not self.conns:

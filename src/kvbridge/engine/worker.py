@@ -15,8 +15,19 @@ import torch
 import torch.distributed as dist
 
 from kvbridge.engine.cache import PagedCache
-from kvbridge.engine.messages import Boot, Extend, Failed, Regions, Reply, Sampled, Stop
-from kvbridge.engine.model import Model, Reduce
+from kvbridge.engine.comm import Comm, GlooComm
+from kvbridge.engine.kv_rank import RankKV
+from kvbridge.engine.messages import (
+    Boot,
+    Command,
+    Extend,
+    Failed,
+    Regions,
+    Reply,
+    Sampled,
+    Stop,
+)
+from kvbridge.engine.model import Model
 from kvbridge.engine.ops import Shard, Step
 from kvbridge.engine.spec import model_spec
 from kvbridge.spec import Parallel
@@ -26,25 +37,44 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 class RankEngine:
-    def __init__(self, boot: Boot, reduce: Reduce) -> None:
+    """Global rank ``boot.rank`` of an instance: its stage's layers, its TP slice of them,
+    their cache; ``comm`` reaches the other ranks."""
+
+    def __init__(self, boot: Boot, comm: Comm) -> None:
         spec = model_spec(boot.config, boot.block_size)
-        par = Parallel(tp=boot.tp)
+        par = Parallel(boot.tp, boot.pp)
+        stage, tp_rank = par.coords(boot.rank)
+        layers = range(*par.stage_ranges(len(spec.layers))[stage])
+        self.comm = comm
         self.cache = PagedCache(spec, par, boot.rank, boot.layout, boot.num_blocks)
-        self.model = Model(boot.config, spec, Shard(boot.tp, boot.rank), reduce)
+        self.model = Model(boot.config, spec, Shard(boot.tp, tp_rank), comm.all_reduce, layers)
+        bases = [a for a, _ in self.cache.addresses()]
+        self.kv = RankKV(spec, par, boot.rank, self.cache.layout, bases)
 
     def regions(self) -> Regions:
         return Regions(tuple(self.cache.addresses()))
 
+    def handle(self, cmd: Command) -> Reply:
+        if isinstance(cmd, Extend):
+            return self.extend(cmd)
+        assert not isinstance(cmd, Stop), "Stop is handled by the serving loop"
+        return self.kv.handle(cmd)
+
+    def close(self) -> None:
+        self.kv.close()
+
     def extend(self, cmd: Extend) -> Sampled:
         tables = tuple(torch.tensor(t, dtype=torch.int64) for t in cmd.tables)
         step = Step(cmd.start, cmd.start + len(cmd.tokens), tables)
-        logits = self.model.forward(torch.tensor(cmd.tokens), step, self.cache)
-        return Sampled(int(logits.argmax()))
-
-
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(t)
-    return t
+        if self.comm.first:
+            x = self.model.embed(torch.tensor(cmd.tokens))
+        else:
+            x = self.comm.receive(len(cmd.tokens), self.model.embedding.shape[1])
+        x = self.model.forward(x, step, self.cache)
+        if not self.comm.last:
+            self.comm.send(x)
+            return Sampled(self.comm.share_token(-1))
+        return Sampled(self.comm.share_token(int(self.model.logits(x).argmax())))
 
 
 def worker_main(conn: Connection, boot: Boot) -> None:
@@ -54,17 +84,20 @@ def worker_main(conn: Connection, boot: Boot) -> None:
         "gloo",
         init_method=f"tcp://127.0.0.1:{boot.port}",
         rank=boot.rank,
-        world_size=boot.tp,
+        world_size=boot.tp * boot.pp,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     try:
         try:
-            engine = RankEngine(boot, all_reduce)
+            engine = RankEngine(boot, GlooComm(Parallel(boot.tp, boot.pp), boot.rank))
         except Exception as e:
             conn.send(Failed(boot.rank, f"{type(e).__name__}: {e}"))
             return
         conn.send(engine.regions())
-        serve(conn, engine, boot.rank)
+        try:
+            serve(conn, engine, boot.rank)
+        finally:
+            engine.close()
     finally:
         dist.destroy_process_group()
 
@@ -82,7 +115,7 @@ def serve(conn: Connection, engine: RankEngine, rank: int) -> None:
             return
         reply: Reply
         try:
-            reply = engine.extend(cmd)
+            reply = engine.handle(cmd)
         except Exception as e:
             reply = Failed(rank, f"{type(e).__name__}: {e}")
         conn.send(reply)

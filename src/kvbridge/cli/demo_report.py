@@ -1,0 +1,92 @@
+"""Rendering of ``kvbridge demo``: one row per request, a table or one JSON object."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvbridge.cli.plan_report import human
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One request: what moved (summed over D ranks) and whether D's output equals the
+    colocated run's. ``transfer_ms``: the slowest D rank, from its load to P's lease
+    confirmation (the first request of a D rank includes the handshake)."""
+
+    request: str
+    prompt_tokens: int
+    cached_tokens: int
+    bytes: int
+    descriptors: int
+    transfer_ms: float
+    output_matches: bool
+    recomputed: bool
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / (self.transfer_ms * 1e6) if self.transfer_ms > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    preset: str
+    prefill: str
+    decode: str
+    mode: str
+    new_tokens: int
+    rows: Sequence[Row]
+    wall_s: float
+
+    @property
+    def all_match(self) -> bool:
+        return all(r.output_matches for r in self.rows)
+
+
+HEADER = ("request", "prompt", "cached", "bytes", "descriptors", "B/desc", "ms", "GB/s", "output")
+
+
+def render_text(s: Summary) -> str:
+    cells = [HEADER, *(_cells(r) for r in s.rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    matched = sum(r.output_matches for r in s.rows)
+    lines.append(
+        f"{matched} of {len(s.rows)} outputs equal the colocated run "
+        f"({s.new_tokens} tokens each); {s.wall_s:.1f} s in all; "
+        f"ms: load to lease confirmed, slowest D rank (the first includes the handshake)"
+    )
+    return "\n".join(lines)
+
+
+def _cells(r: Row) -> tuple[str, ...]:
+    per_desc = human(r.bytes // r.descriptors) if r.descriptors else "-"
+    verdict = "match" if r.output_matches else "MISMATCH"
+    if r.recomputed:
+        verdict += " (recomputed on D)"
+    return (
+        r.request,
+        str(r.prompt_tokens),
+        str(r.cached_tokens),
+        human(r.bytes),
+        str(r.descriptors),
+        per_desc,
+        f"{r.transfer_ms:.1f}",
+        f"{r.gb_per_s:.2g}",
+        verdict,
+    )
+
+
+def render_json(s: Summary) -> dict[str, Any]:
+    requests = [{**asdict(r), "gb_per_s": round(r.gb_per_s, 6)} for r in s.rows]
+    return {
+        "preset": s.preset,
+        "prefill": s.prefill,
+        "decode": s.decode,
+        "mode": s.mode,
+        "new_tokens": s.new_tokens,
+        "requests": requests,
+        "all_match": s.all_match,
+        "wall_s": round(s.wall_s, 3),
+    }
