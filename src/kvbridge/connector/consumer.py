@@ -36,7 +36,7 @@ from kvbridge.plan.geometry import Bound
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Region, Transport, XferState
+from kvbridge.transport.base import Region, Transport
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +192,7 @@ class Consumer:
                 s, d, n = r.as_uint64()
                 handles.append(self.transport.read(peer.agents[src], d, s, n))
             for h in handles:
-                while self.transport.poll(h) is not XferState.DONE:
-                    if time.monotonic() > deadline:
-                        raise TransferTimeout(f"transfer not done within {self.timeout_s} s")
-                    time.sleep(0.0002)
+                self.transport.wait(h, max(deadline - time.monotonic(), 0.0))
         finally:
             for h in handles:
                 h.release()

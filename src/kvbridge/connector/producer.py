@@ -28,11 +28,11 @@ from kvbridge.control.messages import (
     tables_digest,
     wire_layout,
 )
-from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, TransferTimeout
+from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError
 from kvbridge.layout.view import RankLayout
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Region, Transport, XferState
+from kvbridge.transport.base import Region, Transport
 
 
 class ProducerWorker:
@@ -71,15 +71,7 @@ class ProducerWorker:
         peer = self._peers.get(msg.d_agent)
         if peer is None:
             peer = self._peers[msg.d_agent] = self.transport.add_peer(msg.d_agent)
-        handle = self.transport.write(peer, src, dst, n, msg.notif)
-        try:
-            deadline = time.monotonic() + self.timeout_s
-            while self.transport.poll(handle) is not XferState.DONE:
-                if time.monotonic() > deadline:
-                    raise TransferTimeout(f"push of {msg.request_id!r} not done in time")
-                time.sleep(0.0002)
-        finally:
-            handle.release()
+        self.transport.wait(self.transport.write(peer, src, dst, n, msg.notif), self.timeout_s)
         return PushReply(int(src.shape[0]))
 
     def close(self) -> None:

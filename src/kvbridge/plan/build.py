@@ -68,14 +68,12 @@ class Geometry:
             raise IncompatibleError(f"{len(p_bound)} P layouts for P world {p_par.world}")
         self.spec = spec_d
         self.d_rank = d_rank
-        parts: dict[tuple[int, tuple[str, int], int], list[dict[str, np.ndarray]]] = {}
-        rules = {}
+        parts: dict[tuple[int, RuleKey, int], list[dict[str, np.ndarray]]] = {}
         for pc in sources(spec_p, p_par, d_par, d_rank):
             layer = spec_d.layers[pc.layer]
             g = spec_d.group_of(pc.layer)
             tile, bp, bd = tile_of(spec_p, spec_d, g)
             key = (g, rule_key(layer), pc.src_rank)
-            rules[key] = layer
             parts.setdefault(key, []).append(
                 fine_runs(pc, layer, p_bound[pc.src_rank], d_bound, tile, bp, bd)
             )
@@ -84,9 +82,7 @@ class Geometry:
             g = key[0]
             tile = tile_of(spec_p, spec_d, g)[0]
             single = state_or_equal(spec_p, spec_d, g)
-            rule = rules[key]
-            rkey = (str(rule.kind), rule.window, rule.chunk)
-            bucket = Bucket(g, key[2], rule, rkey, tile, single, concat_fine(fines))
+            bucket = Bucket(g, key[2], key[1], tile, single, concat_fine(fines))
             buckets.setdefault(g, []).append(bucket)
         groups = []
         for g in range(len(spec_d.groups)):
@@ -134,11 +130,11 @@ class Geometry:
         written: dict[int, list[np.ndarray]] = {}
         limits: dict[int, int] = {}
         for g, gg in enumerate(self.groups):
-            ptab = _table(p_tables[g], gg.p_blocks, n_tokens, gg, gg.bp, "P", g)
-            dtab = _table(d_tables[g], 0, n_tokens, gg, gg.bd, "D", g)
+            ptab = _table(p_tables[g], gg.p_blocks, n_tokens, gg.bp, gg.np_, gg.state, "P", g)
+            dtab = _table(d_tables[g], 0, n_tokens, gg.bd, gg.nd, gg.state, "D", g)
             first = n_tokens
             for b in gg.buckets:
-                spans = _spans(b.rule_key, n_tokens, cached, gg.tile)
+                spans = _spans(b.rule, n_tokens, cached, gg.tile)
                 if not spans:
                     continue
                 first = min(first, spans[0][4])
@@ -178,14 +174,21 @@ def _spans(rule: RuleKey, n: int, cached: int, tile: int) -> tuple[tuple[int, ..
 
 
 def _table(
-    ids: Sequence[int] | np.ndarray, limit: int, n: int, gg: GroupGeom, bs: int, side: str, g: int
+    ids: Sequence[int] | np.ndarray,
+    limit: int,
+    n: int,
+    bs: int,
+    per_tile: int,
+    state: bool,
+    side: str,
+    g: int,
 ) -> np.ndarray:
     """Block ids as int64, range-checked (if ``limit``) over the entries ``n`` tokens use.
 
     D's ids are checked where they are written (:func:`_check_written`): only those are
     ever addressed."""
     tab = np.asarray(ids, dtype=np.int64)
-    need = 1 if gg.state else -(-n // bs)
+    need = 1 if state else -(-n // bs)
     if tab.ndim != 1 or tab.shape[0] < need:
         raise PlanError(
             f"group {g}: {side} table has {tab.shape[0] if tab.ndim == 1 else tab.shape} "
@@ -195,7 +198,6 @@ def _table(
     if limit and used.view(np.uint64).max() >= limit:  # negative ids wrap to huge values
         lo, hi = int(used.min()), int(used.max())
         raise PlanError(f"group {g}: {side} block ids span [{lo}, {hi}]; valid are [0, {limit})")
-    per_tile = gg.np_ if side == "P" else gg.nd
     span = -(-need // per_tile) * per_tile
     if span > need:  # pad the last tile; padded ids are never addressed by its pattern
         used = np.concatenate((used, np.zeros(span - need, np.int64)))

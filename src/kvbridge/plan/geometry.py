@@ -89,9 +89,8 @@ class Bucket:
 
     group: int
     src_rank: int
-    rule: Layer
-    """A layer of the bucket; its ``needed_tokens`` gives the range for all."""
-    rule_key: RuleKey
+    rule: RuleKey
+    """What the needed token range of every layer in the bucket depends on."""
     tile: int
     single: bool
     """One block per side per tile."""
@@ -110,11 +109,11 @@ RuleKey = tuple[str, int, int]
 """``(kind, window, chunk)``: what a layer's needed token range depends on."""
 
 
-def rule_key(layer: Layer) -> tuple[str, int]:
-    """Layers with equal keys need the same token range."""
+def rule_key(layer: Layer) -> RuleKey:
+    """Layers with equal keys need the same token range (full and MLA share one)."""
     if layer.kind in (Kind.FULL, Kind.MLA):
-        return ("full", 0)
-    return (str(layer.kind), layer.window or layer.chunk)
+        return (str(Kind.FULL), 0, 0)
+    return (str(layer.kind), layer.window, layer.chunk)
 
 
 def tile_of(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> tuple[int, int, int]:

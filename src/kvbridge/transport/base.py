@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvbridge.errors import TransferTimeout
 
 
 class XferState(enum.Enum):
@@ -82,6 +85,23 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def poll(self, handle: XferHandle) -> XferState:
         """Non-blocking; raises :class:`~kvbridge.errors.TransportError` on failure."""
+
+    def wait(self, handle: XferHandle, timeout_s: float) -> None:
+        """Poll ``handle`` until done, at most ``timeout_s`` s (sleeps 10 µs → 1 ms); release it.
+
+        :class:`~kvbridge.errors.TransferTimeout` on expiry, ``TransportError`` if it failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        pause = 10e-6
+        try:
+            while self.poll(handle) is not XferState.DONE:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"{handle!r} not done after {timeout_s:.3f} s")
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 1e-3)
+        finally:
+            handle.release()
 
     @abc.abstractmethod
     def notifications(self) -> list[tuple[str, bytes]]:

@@ -14,7 +14,6 @@ import importlib
 import logging
 import struct
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -26,7 +25,7 @@ envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading 
 
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle  # noqa: E402
 
-from kvbridge.errors import PeerError, TransferTimeout, TransportError  # noqa: E402
+from kvbridge.errors import PeerError, TransportError  # noqa: E402
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState  # noqa: E402
 
 __all__ = ["NixlTransport", "NixlXferHandle"]
@@ -335,24 +334,6 @@ class NixlTransport(Transport):
         if status == "PROC":
             return XferState.PENDING
         self._fail(handle, f"NIXL reported state {status!r}")
-
-    def wait(self, handle: XferHandle, timeout_s: float) -> None:
-        """Poll ``handle`` until done, at most ``timeout_s`` s (sleeps 10 µs → 1 ms); release it.
-
-        :class:`TransferTimeout` on expiry (NIXL cancels; if it cannot, the request is
-        retried at :meth:`close`: do not reuse its memory), :class:`TransportError` if it
-        failed."""
-        deadline = time.monotonic() + timeout_s
-        pause = 10e-6
-        try:
-            while self.poll(handle) is not XferState.DONE:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(f"{handle!r} not done after {timeout_s:.3f} s")
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 1e-3)
-        finally:
-            handle.release()
 
     def _release(self, handle: NixlXferHandle) -> None:
         """Free (or cancel) the request behind ``handle``; refusals are kept for close."""
