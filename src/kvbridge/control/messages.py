@@ -34,6 +34,8 @@ class WireView(msgspec.Struct, array_like=True, frozen=True):
     row_strides: list[int]
     unit_strides: list[int]
     unit_bytes: list[int]
+    pieces: list[int] = msgspec.field(default_factory=list)
+    piece_strides: list[int] = msgspec.field(default_factory=list)
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -160,6 +162,8 @@ def wire_layout(
             list(v.row_strides),
             list(v.unit_strides),
             list(v.unit_bytes),
+            list(v.pieces),
+            list(v.piece_strides),
         )
         for v in layout.views
     ]
@@ -199,6 +203,8 @@ def _rank_layout(info: RankInfo) -> RankLayout:
             tuple(w.row_strides),
             tuple(w.unit_strides),
             tuple(w.unit_bytes),
+            tuple(w.pieces),
+            tuple(w.piece_strides),
         )
         for w in info.views
     )

@@ -3,7 +3,9 @@
     addr(block b, row r, segment s, local unit u) = region_base + offset
         + b·block_stride + seg_offsets[s] + r·row_strides[s] + u·unit_strides[s]
 
-with the unit's ``unit_bytes[s]`` bytes contiguous. Rows are tokens for attention
+with the unit's ``unit_bytes[s]`` bytes contiguous, or, where ``pieces`` is given, split
+into ``pieces[s]`` equal parts ``piece_strides[s]`` bytes apart (a unit laid out
+transposed, e.g. K stored ``[head_dim][tokens]`` per head). Rows are tokens for attention
 streams and state rows for state streams (whose "block" is a sequence slot).
 """
 
@@ -30,21 +32,39 @@ class View:
     row_strides: tuple[int, ...]
     unit_strides: tuple[int, ...]
     unit_bytes: tuple[int, ...]
+    pieces: tuple[int, ...] = ()
+    """Per segment: parts of a unit (empty: every unit is one contiguous part)."""
+    piece_strides: tuple[int, ...] = ()
+
+    def piece(self, seg: int) -> tuple[int, int, int]:
+        """``(parts, bytes per part, stride between parts)`` of a unit of segment ``seg``."""
+        ub = self.unit_bytes[seg]
+        if not self.pieces:
+            return (1, ub, ub)
+        n = self.pieces[seg]
+        if n < 1 or ub % n or len(self.pieces) != len(self.piece_strides):
+            raise LayoutError(
+                f"view {self.layer}/{self.stream}: {n} pieces of a {ub}-byte unit "
+                f"(pieces {self.pieces}, strides {self.piece_strides})"
+            )
+        return (n, ub // n, self.piece_strides[seg])
 
     def extent(self) -> tuple[int, int]:
         """``[lo, hi)`` byte range (relative to the region) the view can touch."""
         last = (self.blocks - 1) * self.block_stride
         hi = 0
-        for (a, b), off, rs, st, ub in zip(
-            self.seg_units,
-            self.seg_offsets,
-            self.row_strides,
-            self.unit_strides,
-            self.unit_bytes,
-            strict=True,
+        for seg, ((a, b), off, rs, st) in enumerate(
+            zip(self.seg_units, self.seg_offsets, self.row_strides, self.unit_strides, strict=True)
         ):
-            hi = max(hi, off + (self.rows - 1) * rs + (b - a - 1) * st + ub)
-        strides = (self.block_stride, *self.row_strides, *self.unit_strides, *self.seg_offsets)
+            n, part, ps = self.piece(seg)
+            hi = max(hi, off + (self.rows - 1) * rs + (b - a - 1) * st + (n - 1) * ps + part)
+        strides = (
+            self.block_stride,
+            *self.row_strides,
+            *self.unit_strides,
+            *self.seg_offsets,
+            *self.piece_strides,
+        )
         if min(strides) < 0:
             raise LayoutError(f"view {self.layer}/{self.stream}: negative stride {strides}")
         return (self.offset, self.offset + last + hi)

@@ -144,8 +144,11 @@ def fine_runs(
     doff = dst.base(dv) + dv.seg_offsets[seg] + drow * dv.row_strides[seg]
     soff = (soff[:, None] + su[None, :] * sv.unit_strides[seg]).ravel()
     doff = (doff[:, None] + du[None, :] * dv.unit_strides[seg]).ravel()
+    sadd, dadd, part = _part_offsets(sv, dv, seg)
+    soff = (soff[:, None] + sadd[None, :]).ravel()
+    doff = (doff[:, None] + dadd[None, :]).ravel()
     n = soff.shape[0]
-    reps = units.shape[0]
+    reps = units.shape[0] * sadd.shape[0]
     return {
         "token": np.repeat(token, reps),
         "sbit": np.repeat(sbit, reps),
@@ -154,9 +157,23 @@ def fine_runs(
         "dbit": np.repeat(dbit, reps),
         "doff": doff,
         "dstr": np.full(n, dv.block_stride, np.int64),
-        "length": np.full(n, sv.unit_bytes[seg], np.int64),
+        "length": np.full(n, part, np.int64),
         "kind": np.full(n, KIND_CODES.index(layer.kind), np.int64),
     }
+
+
+def _part_offsets(sv: View, dv: View, seg: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Offsets within a unit of the parts both sides keep contiguous, and their size.
+
+    A unit split in ``n`` parts on one side (say ``[head_dim][tokens]``) and whole on the
+    other is copied in parts of the finer split; runs that continue on both sides join
+    when the tile's runs are coalesced.
+    """
+    _, ps, pstr = sv.piece(seg)
+    _, pd, dstr = dv.piece(seg)
+    part = math.gcd(ps, pd)
+    k = np.arange(0, sv.unit_bytes[seg], part, dtype=np.int64)
+    return (k // ps) * pstr + k % ps, (k // pd) * dstr + k % pd, part
 
 
 def concat_fine(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

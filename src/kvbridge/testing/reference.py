@@ -100,10 +100,21 @@ def _visit(
                         if layer.kind is Kind.STATE:
                             for row in range(s.rows):
                                 addr = _unit_addr(v, tables[g][0], row, seg_i, u)
-                                yield v.region, addr, encode(li, si, row, u, seg.unit_bytes)
+                                data = encode(li, si, row, u, seg.unit_bytes)
+                                yield from _parts(v, seg_i, v.region, addr, data)
                         else:
                             addr = _unit_addr(v, tables[g][t // bs], t % bs, seg_i, u)
-                            yield v.region, addr, encode(li, si, t, u, seg.unit_bytes)
+                            data = encode(li, si, t, u, seg.unit_bytes)
+                            yield from _parts(v, seg_i, v.region, addr, data)
+
+
+def _parts(
+    v: View, seg: int, region: int, addr: int, data: np.ndarray
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """A unit's bytes where the view keeps them: whole, or in equal parts a stride apart."""
+    n, size, stride = v.piece(seg)
+    for i in range(n):
+        yield region, addr + i * stride, data[i * size : (i + 1) * size]
 
 
 def fill_source(

@@ -10,11 +10,13 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.errors import TransferTimeout
+from kvbridge.errors import TransferTimeout, TransportError
+from kvbridge.layout.tensor import MemKind, Region
+
+__all__ = ["MemKind", "Region", "Transport", "XferHandle", "XferState"]
 
 
 class XferState(enum.Enum):
@@ -23,14 +25,6 @@ class XferState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A registered memory range: ``addr`` and ``nbytes`` in bytes, on host memory."""
-
-    addr: int
-    nbytes: int
 
 
 class XferHandle(abc.ABC):
@@ -109,3 +103,10 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+def host_only(regions: list[Region], agent: str) -> None:
+    """Both transports move host memory today; device regions are refused, not misread."""
+    dev = [r for r in regions if r.kind is not MemKind.HOST]
+    if dev:
+        raise TransportError(f"agent {agent!r}: {len(dev)} {dev[0].kind} regions; host only")

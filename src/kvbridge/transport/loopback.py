@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import PeerError, TransportError
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState
+from kvbridge.transport.base import Region, Transport, XferHandle, XferState, host_only
 
 
 class _Meta(msgspec.Struct, frozen=True):
@@ -51,6 +51,7 @@ class LoopbackTransport(Transport):
         fabric.agents[name] = self
 
     def register(self, regions: list[Region]) -> bytes:
+        host_only(regions, self.name)
         pairs = sorted((r.addr, r.addr + r.nbytes) for r in regions)
         pairs += list(zip(self.starts.tolist(), self.ends.tolist(), strict=True))
         pairs.sort()

@@ -26,7 +26,7 @@ envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading 
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle  # noqa: E402
 
 from kvbridge.errors import PeerError, TransportError  # noqa: E402
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState  # noqa: E402
+from kvbridge.transport.base import Region, Transport, XferHandle, XferState, host_only  # noqa: E402
 
 __all__ = ["NixlTransport", "NixlXferHandle"]
 _U64 = np.ndarray  # 1-D uint64 (any non-negative integer dtype is accepted)
@@ -165,6 +165,7 @@ class NixlTransport(Transport):
     def register(self, regions: list[Region]) -> bytes:
         """Register host memory regions; returns :meth:`metadata` (bytes) for peers."""
         agent = self._check_open()
+        host_only(regions, self.name)
         rows = np.array([(r.addr, r.nbytes, 0) for r in regions], dtype=np.uint64)
         if rows.size == 0 or (rows[:, 1] == 0).any():
             raise TransportError(f"nothing to register or an empty region in {regions!r}")

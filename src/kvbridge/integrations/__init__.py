@@ -1,0 +1,1 @@
+"""Adapters that run kvbridge inside real serving engines (vLLM)."""

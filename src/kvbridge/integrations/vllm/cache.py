@@ -1,0 +1,176 @@
+"""vLLM's KV cache as kvbridge sees it: a :class:`ModelSpec` from the cache groups and a
+:class:`RankLayout` over the tensors vLLM allocated (described, never copied).
+
+vLLM's CPU attention cache (backend ``CPU_ATTN``, kernels ``vec``/``vec16``) is one tensor
+per layer, declared ``[blocks, kv_heads, block, 2·head]``; its kernels keep, per block and
+KV head, K **transposed** then V (measured by writing known keys through
+``cpu_attn_reshape_and_cache``)::
+
+    block b ─┬─ head h ─┬─ K: head_size rows of block_size tokens   [head][token]
+             │          └─ V: block_size rows of head_size          [token][head]
+             └─ head h+1 …
+
+so K is described with axes ``BHDT`` (a head's elements a block apart) and V ``BHTD``.
+Layers of different groups may alias one allocation (vLLM gives a block id to one group
+at a time), so the regions are the storages, and every group shares one pool of ids.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import ConfigError
+from kvbridge.layout.tensor import RegionSet, TensorDesc, tensor_views
+from kvbridge.layout.view import RankLayout, View
+from kvbridge.spec.build import attention
+from kvbridge.spec.dtypes import parse_dtype
+from kvbridge.spec.model import Group, Kind, Layer, ModelSpec
+from kvbridge.spec.parallel import Parallel
+from kvbridge.spec.sharding import shard_interval
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """``model.layers.3.self_attn.attn`` → 3."""
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise ConfigError(f"vLLM layer name {name!r} carries no layer index")
+    return int(m.group(1))
+
+
+@dataclass(frozen=True, slots=True)
+class VllmCache:
+    """What the connector needs of vLLM's configuration, read once."""
+
+    spec: ModelSpec
+    par: Parallel
+    layer_names: dict[str, int]
+    """vLLM attention layer name → kvbridge layer index."""
+
+
+def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
+    """Spec and parallel config from vLLM's configuration and its KV cache groups."""
+    par_cfg = vllm_config.parallel_config
+    par = Parallel(par_cfg.tensor_parallel_size, par_cfg.pipeline_parallel_size)
+    if par.pp != 1:
+        raise ConfigError(f"pipeline_parallel_size {par.pp}: the vLLM connector supports PP 1")
+    kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    layers: dict[int, Layer] = {}
+    groups, names = [], {}
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        cs = group.kv_cache_spec
+        idx = []
+        for name in group.layer_names:
+            i = layer_index(name)
+            layers[i] = _layer(i, cs, kv_heads)
+            names[name] = i
+            idx.append(i)
+        groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
+    n = max(layers) + 1
+    all_layers = tuple(layers.get(i, Layer(i, Kind.FULL, ())) for i in range(n))
+    spec = ModelSpec(
+        vllm_config.model_config.served_model_name or "model", all_layers, tuple(groups)
+    )
+    spec.check_tp(par.tp)
+    return VllmCache(spec, par, names)
+
+
+def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
+    kind_name = type(cs).__name__
+    dtype = parse_dtype(str(cs.dtype))
+    if kind_name == "FullAttentionSpec":
+        return attention(index, kv_heads, cs.head_size, dtype, v_head_dim=cs.head_size_v)
+    if kind_name == "SlidingWindowSpec":
+        # vLLM's window counts the token being computed: D, which recomputes the last
+        # prompt token, needs the ``window - 1`` tokens before it.
+        return attention(
+            index,
+            kv_heads,
+            cs.head_size,
+            dtype,
+            Kind.SLIDING,
+            cs.sliding_window,
+            v_head_dim=cs.head_size_v,
+        )
+    if kind_name == "ChunkedLocalAttentionSpec":
+        return attention(
+            index, kv_heads, cs.head_size, dtype, Kind.CHUNKED, chunk=cs.attention_chunk_size
+        )
+    raise ConfigError(f"layer {index}: vLLM cache kind {kind_name} is not supported yet")
+
+
+def cpu_layout(
+    cache: VllmCache, tp_rank: int, kv_caches: Mapping[str, Any]
+) -> tuple[RankLayout, list[int]]:
+    """The layout of vLLM's CPU attention tensors on ``tp_rank``; returns it and region bases."""
+    regions = RegionSet()
+    for t in kv_caches.values():
+        st = t.untyped_storage()
+        regions.add(st.data_ptr(), st.nbytes())
+    views: list[View] = []
+    spec = cache.spec
+    for name, t in kv_caches.items():
+        i = cache.layer_names.get(name)
+        if i is None:
+            raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
+        heads = _heads(spec, i, cache.par, tp_rank)
+        k, v = _cpu_attn_descs(name, t)
+        views += tensor_views(i, k, ("k",), heads, regions)
+        views += tensor_views(i, v, ("v",), heads, regions)
+    num_blocks = tuple(
+        min(v.blocks for v in views if spec.group_of(v.layer) == g) for g in range(len(spec.groups))
+    )
+    layout = RankLayout(
+        regions.sizes,
+        tuple(views),
+        tuple(g.block_size for g in spec.groups),
+        num_blocks,
+        (0,) * len(spec.groups),
+    )
+    return layout, list(regions.bases)
+
+
+def _heads(spec: ModelSpec, layer: int, par: Parallel, tp_rank: int) -> tuple[int, int]:
+    seg = spec.layers[layer].streams[0].segments[0]
+    return shard_interval(seg.units, par.tp, tp_rank)
+
+
+def _cpu_attn_descs(name: str, t: Any) -> tuple[TensorDesc, TensorDesc]:
+    """K ``[blocks, heads, head, block]`` and V ``[blocks, heads, block, head]`` of one layer."""
+    if t.dim() != 4:
+        raise ConfigError(f"{name}: CPU attention cache of shape {tuple(t.shape)}, expected 4-D")
+    nb, heads, bs, two_hd = t.shape
+    s0, s1, s2, s3 = t.stride()
+    hd = two_hd // 2
+    if s3 != 1 or s2 != two_hd or s1 != bs * two_hd:
+        raise ConfigError(f"{name}: strides {t.stride()} are not vLLM's CPU cache layout")
+    item = t.element_size()
+    k = TensorDesc(t.data_ptr(), (nb, heads, hd, bs), (s0, s1, bs, 1), item, "BHDT")
+    v_addr = t.data_ptr() + bs * hd * item
+    v = TensorDesc(v_addr, (nb, heads, bs, hd), (s0, s1, hd, 1), item, "BHTD")
+    return k, v
+
+
+CPU_KERNELS = ("vec", "vec16")
+"""CPU attention kernels whose cache layout is the one described above."""
+
+
+def check_cpu_kernel(vllm_config: Any, cache: VllmCache) -> None:
+    """Refuse a cache written by a CPU kernel whose layout kvbridge has not verified."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    for g in cache.spec.groups:
+        lay = cache.spec.layers[g.layers[0]]
+        head = lay.streams[0].segments[0].unit_bytes // lay.streams[0].dtype.itemsize
+        isa = _get_attn_isa(
+            vllm_config.model_config.dtype, g.block_size, head, vllm_config.cache_config.cache_dtype
+        )
+        if isa not in CPU_KERNELS:
+            raise ConfigError(
+                f"group {g.name}: vLLM's CPU attention kernel {isa!r} keeps a cache layout "
+                f"kvbridge has not verified (verified: {', '.join(CPU_KERNELS)})"
+            )

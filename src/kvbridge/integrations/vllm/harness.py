@@ -1,0 +1,178 @@
+"""One vLLM engine (offline ``LLM``) in its own process group, driven over a pipe.
+
+Used by the tests and ``kvbridge`` tools to run P and D as separate engines on one
+machine. Each engine's OMP threads are pinned to ``cpus`` (vLLM's "auto" binding wants
+spare cores that a 2-core machine does not have).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.errors import KVBridgeError
+
+CONNECTOR = {
+    "kv_connector": "KVBridgeConnector",
+    "kv_connector_module_path": "kvbridge.integrations.vllm",
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tp: int = 1
+    block_size: int = 128
+    dtype: str = "float32"
+    cpus: str = "0"
+    kv_role: str | None = "kv_both"
+    engine_id: str = "engine"
+    extra: dict[str, Any] = field(default_factory=dict)
+    """``kv_connector_extra_config`` (the secret goes here)."""
+    connector: dict[str, Any] = field(default_factory=lambda: dict(CONNECTOR))
+    max_model_len: int = 1024
+    prefix_caching: bool = True
+    failure_policy: str = "recompute"
+
+
+@dataclass(frozen=True)
+class Output:
+    tokens: list[int]
+    kv_transfer_params: dict[str, Any] | None
+
+
+class EngineError(KVBridgeError):
+    """The engine process failed or died."""
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, timeout_s: float = 300.0):
+        self.cfg = cfg
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, cfg), daemon=False)
+        self.proc.start()
+        self._call("ready")
+
+    def _call(self, cmd: str, *args: Any) -> Any:
+        if not self.proc.is_alive():
+            raise EngineError(f"engine {self.cfg.engine_id} is not running")
+        self._conn.send((cmd, args))
+        if not self._conn.poll(self.timeout_s):
+            raise EngineError(
+                f"engine {self.cfg.engine_id}: no answer to {cmd} in {self.timeout_s} s"
+            )
+        ok, value = self._conn.recv()
+        if not ok:
+            raise EngineError(f"engine {self.cfg.engine_id}: {cmd} failed: {value}")
+        return value
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        params: list[dict[str, Any] | None] | None = None,
+    ) -> list[Output]:
+        """Greedy outputs of ``prompts``; ``params[i]`` is request i's ``kv_transfer_params``."""
+        return self._call("generate", prompts, max_tokens, params or [None] * len(prompts))
+
+    def rpc(self, fn: Any) -> list[Any]:
+        """``fn(worker)`` on every worker of the engine (vLLM's ``collective_rpc``)."""
+        return self._call("rpc", fn)
+
+    def kill(self) -> None:
+        """SIGKILL the engine and every process it started."""
+        if self.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("stop", ()))
+                self.proc.join(30)
+            except (BrokenPipeError, OSError):
+                pass
+        self.kill()
+
+
+def _serve(conn: Any, cfg: EngineConfig) -> None:
+    os.setpgrp()
+    os.environ.update(
+        UCX_MODULES="^ib",
+        VLLM_CPU_OMP_THREADS_BIND=cfg.cpus,
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    )
+    try:
+        llm = _make_llm(cfg)
+    except Exception as e:  # reported to the parent, which raises EngineError
+        conn.recv()
+        conn.send((False, f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "stop":
+            break
+        try:
+            conn.send((True, _run(llm, cmd, args)))
+        except Exception as e:  # reported to the parent, which raises EngineError
+            conn.send((False, f"{type(e).__name__}: {e}"))
+
+
+def _make_llm(cfg: EngineConfig) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if cfg.kv_role is not None:
+        kv = KVTransferConfig(
+            **cfg.connector,
+            kv_role=cfg.kv_role,
+            engine_id=cfg.engine_id,
+            kv_connector_extra_config=dict(cfg.extra),
+            kv_load_failure_policy=cfg.failure_policy,
+        )
+    return LLM(
+        model=cfg.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=cfg.max_model_len,
+        dtype=cfg.dtype,
+        seed=0,
+        block_size=cfg.block_size,
+        tensor_parallel_size=cfg.tp,
+        enable_prefix_caching=cfg.prefix_caching,
+        kv_transfer_config=kv,
+        distributed_executor_backend="mp" if cfg.tp > 1 else None,
+    )
+
+
+def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
+    if cmd == "ready":
+        return True
+    if cmd == "rpc":
+        return llm.collective_rpc(args[0])
+    if cmd != "generate":
+        raise ValueError(f"unknown command {cmd!r}")
+    from vllm import SamplingParams
+
+    prompts, max_tokens, params = args
+    sps = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"kv_transfer_params": p} if p else None,
+        )
+        for p in params
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    return [Output(list(o.outputs[0].token_ids), o.kv_transfer_params) for o in outs]

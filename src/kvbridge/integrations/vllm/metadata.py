@@ -1,0 +1,53 @@
+"""What crosses vLLM's process boundaries for the connector (vLLM pickles these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+from kvbridge.control.messages import RankInfo
+from kvbridge.errors import PeerError
+
+HANDLE_KEY = "kvbridge"
+"""The ``kv_transfer_params`` key that carries the transfer handle from P to D."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """D: load ``handle``'s tokens beyond ``cached`` into local ``tables`` (per group)."""
+
+    request_id: str
+    handle: str
+    tables: list[list[int]]
+    cached: int
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    """Scheduler → workers, once per step: loads to start, P requests freed."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RankMeta(KVConnectorHandshakeMetadata):
+    """Worker → scheduler, once: a P rank's layout, addresses and transport metadata."""
+
+    info: bytes = b""
+
+
+def encode_info(info: RankInfo) -> bytes:
+    return msgspec.msgpack.encode(info)
+
+
+def decode_info(data: bytes) -> RankInfo:
+    try:
+        return msgspec.msgpack.decode(data, type=RankInfo)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise PeerError(f"malformed rank info from a worker: {e}") from None

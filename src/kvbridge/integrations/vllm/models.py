@@ -1,0 +1,72 @@
+"""Tiny models with random *real* weights that vLLM can serve on a CPU.
+
+vLLM's ``load_format="dummy"`` fills every weight with one small value, so its output
+depends on the last token only and cannot tell a right KV cache from a wrong one. These
+checkpoints are random normal weights written as safetensors: the output depends on every
+prompt token, through the cache. Made with ``transformers`` (a vLLM dependency).
+
+    4 layers, hidden 256, 4 heads / 2 KV heads, head_dim 64, vocabulary 1000
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvbridge.errors import ConfigError
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.05,
+}
+
+TINY: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "query_pre_attn_scalar": 64,
+    },
+}
+"""Tiny configurations by name; each is ``_BASE`` plus these fields."""
+
+_EMBED_STD = {"gemma3": 0.05 / 16}
+"""Gemma scales embeddings by sqrt(hidden): a smaller std keeps the layers audible."""
+
+
+def make_tiny_model(name: str, out: str | Path, seed: int = 0) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of tiny model ``name`` to ``out``."""
+    if name not in TINY:
+        raise ConfigError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY))}")
+    import torch
+    import transformers
+
+    out = Path(out)
+    if (out / "model.safetensors").is_file():
+        return out
+    config = transformers.AutoConfig.for_model(**{**_BASE, **TINY[name]})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if name in _EMBED_STD:
+        torch.nn.init.normal_(model.get_input_embeddings().weight, std=_EMBED_STD[name])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    data = json.loads((out / "config.json").read_text())
+    data["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(data, indent=1))
+    return out

@@ -1,0 +1,130 @@
+"""Scheduler side of the vLLM connector (one per engine, in vLLM's EngineCore process).
+
+P (``kv_producer``/``kv_both``): a request sent with ``kv_transfer_params =
+{"do_remote_decode": true}`` is prefilled one token short (D computes the last prompt
+token itself, so sliding windows and recurrent state line up with what P keeps); when it
+finishes, P holds its blocks under a lease and returns ``{"kvbridge": <handle>}`` as the
+request's ``kv_transfer_params``. The blocks are freed once every D rank confirmed, D
+reported a failure, or the lease lapsed.
+
+D (``kv_consumer``/``kv_both``): a request whose ``kv_transfer_params`` carry a handle
+waits in ``WAITING_FOR_REMOTE_KVS`` while the workers load the tokens it names beyond the
+local prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any
+
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.producer import Producer
+from kvbridge.control.messages import RankInfo
+from kvbridge.errors import KVBridgeError, PeerError
+from kvbridge.integrations.vllm.cache import VllmCache
+from kvbridge.integrations.vllm.config import ConnectorConfig
+from kvbridge.integrations.vllm.metadata import HANDLE_KEY, LoadJob, StepMeta, decode_info
+
+log = logging.getLogger(__name__)
+
+
+def encode_handle(handle: TransferHandle) -> str:
+    return base64.b64encode(handle.to_bytes()).decode()
+
+
+def decode_handle(text: Any) -> TransferHandle:
+    """The handle of ``kv_transfer_params["kvbridge"]``; :class:`PeerError` if malformed."""
+    if not isinstance(text, str):
+        raise PeerError(f"kv_transfer_params.{HANDLE_KEY} is {type(text).__name__}, not str")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError as e:
+        raise PeerError(f"kv_transfer_params.{HANDLE_KEY} is not base64: {e}") from None
+    return TransferHandle.from_bytes(raw)
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, cache: VllmCache):
+        self.cfg, self.cache = cfg, cache
+        self.producer: Producer | None = None
+        self._loads: list[LoadJob] = []
+        self._started: set[str] = set()
+
+    # --- P ---------------------------------------------------------------------------
+    def set_ranks(self, infos: dict[int, bytes]) -> None:
+        if not self.cfg.producer:
+            return
+        ranks: list[RankInfo] = [decode_info(b) for _, b in sorted(infos.items())]
+        self.producer = Producer(
+            self.cfg.engine_id,
+            self.cache.spec,
+            self.cache.par,
+            self.cfg.secret,
+            self.cfg.lease_s,
+            self.cfg.host,
+            self.cfg.port,
+        )
+        for info in ranks:
+            self.producer.add_rank(info)
+        log.info(
+            "kvbridge P %s serves handshakes on %s", self.cfg.engine_id, self.producer.endpoint
+        )
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if not (self.cfg.producer and params and params.get("do_remote_decode")):
+            return
+        if request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-1:]
+            del request._all_token_ids[-1:]
+            request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+
+    def request_finished(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._started.discard(request.request_id)
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_decode")) or self.producer is None:
+            return False, None
+        if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
+            return False, None  # aborted or never prefilled: nothing for D
+        tables = [list(map(int, b)) for b in block_ids]
+        handle = self.producer.prefill_done(request.request_id, tables, request.num_prompt_tokens)
+        return True, {HANDLE_KEY: encode_handle(handle)}
+
+    # --- D ---------------------------------------------------------------------------
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
+        if text is None or not self.cfg.consumer or request.request_id in self._started:
+            return 0, False
+        try:
+            n = decode_handle(text).n_tokens
+        except KVBridgeError:
+            n = request.num_prompt_tokens - 1  # the workers report the failure, by policy
+        n = min(n, request.num_prompt_tokens - 1)
+        return (n - num_computed, True) if n > num_computed else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
+        if num_external <= 0 or text is None or not self.cfg.consumer:
+            return
+        tables = [list(map(int, g)) for g in blocks.get_block_ids()]
+        n, _ = self.matched_tokens(request, 0)
+        self._started.add(request.request_id)
+        self._loads.append(LoadJob(request.request_id, str(text), tables, n - num_external))
+
+    # --- both ------------------------------------------------------------------------
+    def step_meta(self) -> StepMeta:
+        freed = [f.request_id for f in self.producer.freed()] if self.producer else []
+        meta = StepMeta(self._loads, freed)
+        self._loads = []
+        return meta
+
+    def has_pending(self) -> bool:
+        return self.producer is not None and self.producer.leases.held() > 0
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()

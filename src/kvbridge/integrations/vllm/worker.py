@@ -1,0 +1,102 @@
+"""Worker side of the vLLM connector (one per TP rank, in vLLM's worker process).
+
+It describes the KV tensors vLLM allocated (no copy), registers them with a NIXL agent,
+and on P publishes the rank's layout for the scheduler's handshake server; on D it runs a
+:class:`Consumer` that pulls, plans and confirms each request's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from kvbridge.connector.consumer import Consumer, Outcome
+from kvbridge.connector.producer import ProducerWorker
+from kvbridge.errors import KVBridgeError
+from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout
+from kvbridge.integrations.vllm.config import ConnectorConfig
+from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
+from kvbridge.integrations.vllm.scheduler import decode_handle
+from kvbridge.transport.base import Transport
+from kvbridge.transport.nixl import NixlTransport
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, cache: VllmCache, tp_rank: int):
+        self.cfg, self.cache, self.rank = cfg, cache, tp_rank
+        self.producer: ProducerWorker | None = None
+        self.consumer: Consumer | None = None
+        self._transports: list[Transport] = []
+        self._by_handle: dict[str, str] = {}
+        """P request id of a loading handle → D request id."""
+        self._sent: set[str] = set()
+        self._failed: list[Outcome] = []
+
+    def _transport(self, role: str) -> Transport:
+        name = f"kvb-{role}-{self.cfg.engine_id}-{self.rank}-{secrets.token_hex(3)}"
+        t = NixlTransport(name)
+        self._transports.append(t)
+        return t
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        layout, bases = cpu_layout(self.cache, self.rank, kv_caches)
+        if self.cfg.producer:
+            self.producer = ProducerWorker(self.rank, layout, bases, self._transport("p"))
+        if self.cfg.consumer:
+            self.consumer = Consumer(
+                self.cfg.engine_id,
+                self.cache.spec,
+                self.cache.par,
+                self.rank,
+                layout,
+                bases,
+                self._transport("d"),
+                self.cfg.secret,
+                transfer_timeout_s=self.cfg.timeout_s,
+            )
+
+    def handshake_meta(self) -> RankMeta | None:
+        return RankMeta(encode_info(self.producer.info)) if self.producer else None
+
+    def start(self, meta: StepMeta) -> None:
+        self._sent.update(meta.freed)
+        for job in meta.loads:
+            try:
+                if self.consumer is None:
+                    raise KVBridgeError("this engine is not a kv_consumer")
+                handle = decode_handle(job.handle)
+                if handle.request_id in self._by_handle:
+                    raise KVBridgeError(f"handle of P request {handle.request_id!r} is loading")
+                self._by_handle[handle.request_id] = job.request_id
+                self.consumer.load(handle, job.tables, job.cached)
+            except KVBridgeError as e:
+                log.error("kvbridge: request %s cannot load: %s", job.request_id, e)
+                self._failed.append(
+                    Outcome(job.request_id, False, error=f"{type(e).__name__}: {e}")
+                )
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished sending, finished receiving, failed receiving)`` since the last call."""
+        done = list(self._failed)
+        self._failed = []
+        for out in self.consumer.poll() if self.consumer else []:
+            rid = self._by_handle.pop(out.request_id, out.request_id)
+            done.append(
+                Outcome(rid, out.ok, out.bytes, out.descriptors, out.seconds, error=out.error)
+            )
+        for out in done:
+            if not out.ok:
+                log.error("kvbridge: load of request %s failed: %s", out.request_id, out.error)
+        sent, self._sent = self._sent, set()
+        return sent, {o.request_id for o in done}, {o.request_id for o in done if not o.ok}
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+        if self.producer is not None:
+            self.producer.close()
+        for t in self._transports:
+            t.close()
