@@ -1,0 +1,46 @@
+"""Different TP on P and D (2 → 1, 1 → 2), and other models: Qwen3 (full attention) and
+Gemma-3 (sliding window + full attention: four KV cache groups), token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbridge.integrations.vllm.harness import Engine
+from tests.vllm_engines.conftest import closing, pd, prompts, start
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def tp_engines(models: Path) -> Iterator[tuple[Engine, ...]]:
+    one = start(models, "llama", "llama-tp1", block_size=32, cpus="0")
+    two = start(models, "llama", "llama-tp2", tp=2, block_size=64, cpus="0|1")
+    yield from closing(one, two)
+
+
+@pytest.mark.parametrize("direction", ["tp2->tp1", "tp1->tp2"])
+def test_tp_token_exact(tp_engines: tuple[Engine, ...], direction: str) -> None:
+    one, two = tp_engines
+    p, d = (two, one) if direction == "tp2->tp1" else (one, two)
+    batch = prompts(10 + len(direction), (180, 33, 257))
+    ref = [o.tokens for o in p.generate(batch, 16)]
+    assert pd(p, d, batch) == ref
+
+
+@pytest.mark.parametrize(("name", "p_block", "d_block"), [("qwen3", 128, 32), ("gemma3", 32, 128)])
+def test_model_token_exact(models: Path, name: str, p_block: int, d_block: int) -> None:
+    for engines in closing(
+        start(models, name, f"{name}-p", block_size=p_block, cpus="0"),
+        start(models, name, f"{name}-d", block_size=d_block, cpus="1"),
+    ):
+        p, d = engines
+        # Gemma-3's window is 64: prompts longer than it, at and around block edges
+        batch = prompts(20, (300, 64, 65, 191, 129, 40))
+        ref = [o.tokens for o in p.generate(batch, 16)]
+        assert pd(p, d, batch) == ref
+        back = prompts(21, (250, 97))  # and the other way
+        ref_back = [o.tokens for o in d.generate(back, 16)]
+        assert pd(d, p, back) == ref_back
