@@ -37,6 +37,8 @@ class EngineConfig:
     max_model_len: int = 1024
     prefix_caching: bool = True
     failure_policy: str = "recompute"
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the engine process (e.g. NixlConnector's side-channel port)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ def _serve(conn: Any, cfg: EngineConfig) -> None:
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
     )
+    os.environ.update(cfg.env)
     try:
         llm = _make_llm(cfg)
     except Exception as e:  # reported to the parent, which raises EngineError
