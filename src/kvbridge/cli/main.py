@@ -11,7 +11,7 @@ import sys
 
 from kvbridge.errors import KVBridgeError
 
-COMMANDS = ("plan", "bench", "demo")
+COMMANDS = ("plan", "bench", "demo", "proxy")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ prompt token, through the cache. Made with ``transformers`` (a vLLM dependency).
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +50,46 @@ _EMBED_STD = {"gemma3": 0.05 / 16}
 """Gemma scales embeddings by sqrt(hidden): a smaller std keeps the layers audible."""
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def make_tokenizer(out: Path) -> None:
+    """A byte-level BPE of 1000 ids (0 pad, 1 bos, 2 eos) so HTTP servers take text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BASE["vocab_size"],
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 7))) for _ in range(20000)]
+    tok.train_from_iterator([" ".join(words[i : i + 20]) for i in range(0, 20000, 20)], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
 def make_tiny_model(name: str, out: str | Path, seed: int = 0) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` of tiny model ``name`` to ``out``."""
+    """Write ``config.json``, ``model.safetensors`` and a tokenizer of tiny model ``name``."""
     if name not in TINY:
         raise ConfigError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY))}")
     import torch
     import transformers
 
     out = Path(out)
-    if (out / "model.safetensors").is_file():
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
         return out
     config = transformers.AutoConfig.for_model(**{**_BASE, **TINY[name]})
     torch.manual_seed(seed)
@@ -69,4 +101,5 @@ def make_tiny_model(name: str, out: str | Path, seed: int = 0) -> Path:
     data = json.loads((out / "config.json").read_text())
     data["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(data, indent=1))
+    make_tokenizer(out)
     return out

@@ -1,0 +1,44 @@
+"""``kvbridge proxy``: an OpenAI-compatible P/D front (see src/kvbridge/serve/proxy.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "proxy",
+        help="OpenAI-compatible front: prefill on a P server, decode on a D server",
+        description="Each request is prefilled on a P server (max_tokens 1) and decoded on a "
+        "D server with P's kv_transfer_params. Serves /v1/completions, /v1/chat/completions "
+        "(streaming too), /v1/models, /health and /metrics (Prometheus).",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a P server, e.g. http://127.0.0.1:8100 (repeat for several)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a D server (repeat for several)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.errors import ConfigError
+    from kvbridge.serve.proxy import run as serve
+
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port}: expected 1..65535")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    serve(args.prefill, args.decode, args.host, args.port)
+    return 0

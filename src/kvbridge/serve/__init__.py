@@ -1,0 +1,1 @@
+"""Serving P/D: an OpenAI-compatible proxy in front of P and D engine servers."""

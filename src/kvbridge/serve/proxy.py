@@ -1,0 +1,191 @@
+"""``kvbridge proxy``: an OpenAI-compatible front for P/D serving.
+
+Each ``/v1/completions`` or ``/v1/chat/completions`` request goes first to a P server
+with ``max_tokens = 1`` and ``kv_transfer_params = {"do_remote_decode": true}``; P's reply
+carries the transfer handle in its ``kv_transfer_params``, which is added to the
+original request and sent to a D server, whose reply (streamed or not) is the answer.
+
+    client ──► proxy ──(1: prefill)──► P          P holds the blocks under a lease
+                   └──(2: + handle)──► D ──► stream back to the client
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvbridge.serve.backends import Backend, Pool
+from kvbridge.serve.metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY = 8 << 20
+
+
+class BackendError(Exception):
+    """A P or D server failed; ``status`` is what the client gets."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Proxy:
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float = 300.0):
+        self.p = Pool.of("prefill", prefill)
+        self.d = Pool.of("decode", decode)
+        self.metrics = ProxyMetrics()
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.render_metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
+
+    async def _stop(self, _: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        route = request.path
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise BackendError(400, "the request body must be a JSON object")
+            params = await self._prefill(route, body)
+            body = {**body, "kv_transfer_params": params}
+            self.metrics.stage.labels("prefill").observe(time.perf_counter() - t0)
+            resp = await self._decode(request, route, body, t0)
+        except json.JSONDecodeError as e:
+            return self._error(route, 400, f"malformed JSON: {e}")
+        except BackendError as e:
+            return self._error(route, e.status, str(e))
+        self.metrics.requests.labels(route, "ok").inc()
+        self.metrics.stage.labels("total").observe(time.perf_counter() - t0)
+        return resp
+
+    def _error(self, route: str, status: int, message: str) -> web.Response:
+        self.metrics.requests.labels(route, "error").inc()
+        err = {"error": {"message": message, "type": "kvbridge_proxy_error", "code": status}}
+        return web.json_response(err, status=status)
+
+    async def _prefill(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        req.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        if "max_completion_tokens" in req:
+            req["max_completion_tokens"] = 1
+        backend = self.p.pick()
+        async with self._call(backend, "prefill", route, req) as resp:
+            if resp.status != 200:
+                raise BackendError(resp.status, f"prefill server: {await resp.text()}")
+            reply = await resp.json()
+        params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
+        if not isinstance(params, dict):
+            self.metrics.backend_errors.labels("prefill", "no_handle").inc()
+            raise BackendError(502, f"prefill server {backend.url} returned no kv_transfer_params")
+        return params
+
+    async def _decode(
+        self, request: web.Request, route: str, body: dict[str, Any], t0: float
+    ) -> web.StreamResponse:
+        backend = self.d.pick()
+        t1 = time.perf_counter()
+        async with self._call(backend, "decode", route, body) as resp:
+            if not body.get("stream"):
+                data = await resp.read()
+                self.metrics.ttft.observe(time.perf_counter() - t0)
+                self.metrics.stage.labels("decode").observe(time.perf_counter() - t1)
+                return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+            out = web.StreamResponse(status=resp.status)
+            out.content_type = resp.content_type
+            await out.prepare(request)
+            first = True
+            async for chunk in resp.content.iter_any():
+                if first:
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                    first = False
+                await out.write(chunk)
+            await out.write_eof()
+            self.metrics.stage.labels("decode").observe(time.perf_counter() - t1)
+            return out
+
+    def _call(self, b: Backend, role: str, route: str, body: dict[str, Any]) -> Any:
+        assert self.session is not None
+        return _Tracked(self, b, role, self.session.post(b.url + route, json=body))
+
+    async def health(self, _: web.Request) -> web.Response:
+        async def ok(b: Backend) -> bool:
+            assert self.session is not None
+            try:
+                async with self.session.get(
+                    b.url + "/health", timeout=aiohttp.ClientTimeout(5)
+                ) as r:
+                    return r.status == 200
+            except (TimeoutError, aiohttp.ClientError):
+                return False
+
+        p = await asyncio.gather(*(ok(b) for b in self.p.backends))
+        d = await asyncio.gather(*(ok(b) for b in self.d.backends))
+        body = {
+            "prefill": {b.url: h for b, h in zip(self.p.backends, p, strict=True)},
+            "decode": {b.url: h for b, h in zip(self.d.backends, d, strict=True)},
+        }
+        return web.json_response(body, status=200 if any(p) and any(d) else 503)
+
+    async def render_metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    async def models(self, _: web.Request) -> web.Response:
+        assert self.session is not None
+        b = self.d.pick()
+        async with self.session.get(b.url + "/v1/models") as r:
+            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+
+class _Tracked:
+    """``async with``: one call to a backend, counted in flight and in errors."""
+
+    def __init__(self, proxy: Proxy, b: Backend, role: str, ctx: Any):
+        self.proxy, self.b, self.role, self.ctx = proxy, b, role, ctx
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        self.b.in_flight += 1
+        self.proxy.metrics.in_flight.labels(self.role, self.b.url).set(self.b.in_flight)
+        try:
+            resp: aiohttp.ClientResponse = await self.ctx.__aenter__()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            self._done(failed=True)
+            self.proxy.metrics.backend_errors.labels(self.role, type(e).__name__).inc()
+            raise BackendError(502, f"{self.role} server {self.b.url}: {e!r}") from None
+        return resp
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._done(failed=exc[0] is not None)
+        await self.ctx.__aexit__(*exc)
+
+    def _done(self, failed: bool) -> None:
+        self.b.in_flight -= 1
+        self.b.served += 1
+        self.b.failed += int(failed)
+        self.proxy.metrics.in_flight.labels(self.role, self.b.url).set(self.b.in_flight)
+
+
+def run(prefill: list[str], decode: list[str], host: str, port: int) -> None:
+    web.run_app(Proxy(prefill, decode).app(), host=host, port=port, print=None)
