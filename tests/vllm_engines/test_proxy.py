@@ -91,6 +91,22 @@ def test_chat_streaming_equal_colocated(servers: tuple[Server, Server], proxy: s
     assert got == want.choices[0].message.content
 
 
+def test_d_server_metrics_show_the_loads(servers: tuple[Server, Server], proxy: str) -> None:
+    """D really loaded from P (a recompute would also give equal text): its /metrics."""
+    _, d = servers
+    via = openai.OpenAI(base_url=proxy + "/v1", api_key="x")
+    via.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    ok = [ln for ln in text.splitlines() if ln.startswith("vllm:kvbridge_loads_total{")]
+    assert any('outcome="ok"' in ln and float(ln.split()[-1]) >= 1 for ln in ok), ok
+    assert not any('outcome="failed"' in ln and float(ln.split()[-1]) > 0 for ln in ok), ok
+    kvb = [ln for ln in text.splitlines() if "kvbridge" in ln and not ln.startswith("#")]
+    names = sorted({ln.split("{")[0] for ln in kvb})
+    assert "vllm:kvbridge_load_stage_seconds_bucket" in names, names
+    assert any('stage="transfer"' in ln for ln in kvb), kvb
+
+
 def test_health_and_metrics(proxy: str) -> None:
     with urllib.request.urlopen(proxy + "/health", timeout=10) as r:
         assert r.status == 200

@@ -81,6 +81,8 @@ class Outcome:
     """Local block ids per group whose contents are not valid (failures only)."""
     action: Policy = Policy.RECOMPUTE
     error: str = ""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Seconds per stage: queue, handshake, lease, plan, post, transfer, verify."""
 
 
 @dataclass(slots=True)
@@ -89,10 +91,18 @@ class _Load:
     tables: list[list[int]]
     cached: int
     state: LoadState = LoadState.QUEUED
+    stages: dict[str, float] = field(default_factory=dict)
+    mark: float = field(default_factory=time.perf_counter)
 
     def move(self, to: LoadState) -> None:
         assert to in TRANSITIONS[self.state], (self.state, to)
         self.state = to
+
+    def lap(self, stage: str) -> None:
+        """Close ``stage``: the seconds since the previous lap (or since queued)."""
+        now = time.perf_counter()
+        self.stages[stage] = now - self.mark
+        self.mark = now
 
 
 class Consumer:
@@ -149,23 +159,34 @@ class Consumer:
 
     def _run(self, job: _Load) -> None:
         t0 = time.perf_counter()
+        job.lap("queue")
         try:
             job.move(LoadState.HANDSHAKE)
             peer = self.peers.get(job.handle)
+            job.lap("handshake")
             self._lease(peer, job, "begin")
+            job.lap("lease")
             plan = peer.geometry.plan(
                 job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
             )
+            job.lap("plan")
             job.move(LoadState.TRANSFER)
             if self.mode is Mode.PUSH:
                 self._push(peer, job.handle.request_id, plan.runs)
             else:
-                self._transfer(peer, plan.runs)
+                self._transfer(peer, plan.runs, job)
+            job.lap("transfer")
             job.move(LoadState.VERIFY)
             self._lease(peer, job, "confirm")
+            job.lap("verify")
             job.move(LoadState.DONE)
             out = Outcome(
-                job.handle.request_id, True, plan.nbytes, plan.descriptors, time.perf_counter() - t0
+                job.handle.request_id,
+                True,
+                plan.nbytes,
+                plan.descriptors,
+                time.perf_counter() - t0,
+                stages=job.stages,
             )
         except Exception as e:  # every failure ends the request, typed in `error`
             if not isinstance(e, KVBridgeError):
@@ -179,18 +200,20 @@ class Consumer:
                 failed_blocks=self._failed_blocks(job),
                 action=self.policy,
                 error=f"{type(e).__name__}: {e}",
+                stages=job.stages,
             )
         with self._lock:
             self._loads.pop(job.handle.request_id, None)
             self._done.append(out)
 
-    def _transfer(self, peer: Peer, runs: dict[int, Runs]) -> None:
+    def _transfer(self, peer: Peer, runs: dict[int, Runs], job: _Load) -> None:
         deadline = time.monotonic() + self.timeout_s
         handles = []
         try:
             for src, r in runs.items():
                 s, d, n = r.as_uint64()
                 handles.append(self.transport.read(peer.agents[src], d, s, n))
+            job.lap("post")
             for h in handles:
                 self.transport.wait(h, max(deadline - time.monotonic(), 0.0))
         finally:

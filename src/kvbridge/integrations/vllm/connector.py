@@ -20,6 +20,7 @@ from kvbridge.integrations.vllm.cache import check_cpu_kernel, read_cache
 from kvbridge.integrations.vllm.config import read_config
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
+from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm.worker import WorkerSide
 
 
@@ -108,6 +109,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, recved, _ = self._w().results()
         return sent or None, recved or None
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        if self.worker is None:  # vLLM asks the scheduler's instance too
+            return None
+        loads = self.worker.take_observed()
+        return KVBridgeStats(data={"loads": loads}) if loads else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

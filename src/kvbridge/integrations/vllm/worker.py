@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from kvbridge.connector.consumer import Consumer, Outcome
@@ -19,6 +20,7 @@ from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
 from kvbridge.integrations.vllm.scheduler import decode_handle
+from kvbridge.integrations.vllm.stats import observation
 from kvbridge.transport.base import Transport
 from kvbridge.transport.nixl import NixlTransport
 
@@ -35,6 +37,8 @@ class WorkerSide:
         """P request id of a loading handle → D request id."""
         self._sent: set[str] = set()
         self._failed: list[Outcome] = []
+        self.observed: list[dict[str, object]] = []
+        """Loads finished since vLLM last asked for stats (see stats.py)."""
         self.totals: Counter[str] = Counter()
         """Loads ok / failed, bytes and descriptors moved, since start."""
 
@@ -87,9 +91,7 @@ class WorkerSide:
         self._failed = []
         for out in self.consumer.poll() if self.consumer else []:
             rid = self._by_handle.pop(out.request_id, out.request_id)
-            done.append(
-                Outcome(rid, out.ok, out.bytes, out.descriptors, out.seconds, error=out.error)
-            )
+            done.append(replace(out, request_id=rid))
         for out in done:
             self.totals.update(
                 loads_ok=int(out.ok),
@@ -97,10 +99,15 @@ class WorkerSide:
                 bytes=out.bytes,
                 descriptors=out.descriptors,
             )
+            self.observed.append(observation(out))
             if not out.ok:
                 log.error("kvbridge: load of request %s failed: %s", out.request_id, out.error)
         sent, self._sent = self._sent, set()
         return sent, {o.request_id for o in done}, {o.request_id for o in done if not o.ok}
+
+    def take_observed(self) -> list[dict[str, object]]:
+        out, self.observed = self.observed, []
+        return out
 
     def close(self) -> None:
         if self.consumer is not None:

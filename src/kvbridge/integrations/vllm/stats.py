@@ -1,0 +1,119 @@
+"""The connector's metrics in vLLM: per-load observations from the workers
+(:class:`KVBridgeStats`, carried by vLLM from workers to its stat loggers) and their
+Prometheus form (:class:`KVBridgePromMetrics`, on the server's ``/metrics``)::
+
+    vllm:kvbridge_loads_total{outcome}          loads finished, per D rank
+    vllm:kvbridge_load_failures_total{cause}    failed loads by error type
+    vllm:kvbridge_transferred_bytes_total       bytes moved into D
+    vllm:kvbridge_descriptors_total             runs posted to the transport
+    vllm:kvbridge_load_seconds                  load time, queue to verified (histogram)
+    vllm:kvbridge_load_stage_seconds{stage}     queue, handshake, lease, plan, post,
+                                                transfer, verify (histogram)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvbridge.connector.consumer import Outcome
+
+_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def observation(out: Outcome) -> dict[str, Any]:
+    cause = out.error.split(":", 1)[0] if out.error else ""
+    return {
+        "ok": out.ok,
+        "bytes": out.bytes,
+        "descriptors": out.descriptors,
+        "seconds": out.seconds,
+        "stages": dict(out.stages),
+        "cause": cause,
+    }
+
+
+@dataclass
+class KVBridgeStats(KVConnectorStats):
+    """``data = {"loads": [observation, ...]}`` since the last report."""
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("loads", [])
+
+    def reset(self) -> None:
+        self.data = {"loads": list[dict[str, Any]]()}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data["loads"] = self.data["loads"] + list(other.data.get("loads", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        loads = self.data["loads"]
+        ok = [o for o in loads if o["ok"]]
+        secs = sorted(o["seconds"] for o in ok) or [0.0]
+        return {
+            "loads": len(loads),
+            "failed": len(loads) - len(ok),
+            "MiB": round(sum(o["bytes"] for o in ok) / 2**20, 3),
+            "descriptors": sum(o["descriptors"] for o in ok),
+            "median_load_ms": round(secs[len(secs) // 2] * 1e3, 3),
+        }
+
+    def is_empty(self) -> bool:
+        return not self.data["loads"]
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine: Any):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine)
+        c, h = self._counter_cls, self._histogram_cls
+        self.loads = c(
+            name="vllm:kvbridge_loads",
+            documentation="KV loads finished, per D rank.",
+            labelnames=[*labelnames, "outcome"],
+        )
+        self.failures = c(
+            name="vllm:kvbridge_load_failures",
+            documentation="Failed KV loads by cause.",
+            labelnames=[*labelnames, "cause"],
+        )
+        self.bytes = c(
+            name="vllm:kvbridge_transferred_bytes",
+            documentation="Bytes moved into D.",
+            labelnames=labelnames,
+        )
+        self.descs = c(
+            name="vllm:kvbridge_descriptors",
+            documentation="Runs posted to the transport.",
+            labelnames=labelnames,
+        )
+        self.seconds = h(
+            name="vllm:kvbridge_load_seconds",
+            documentation="Load time, queued to verified.",
+            buckets=_BUCKETS,
+            labelnames=labelnames,
+        )
+        self.stages = h(
+            name="vllm:kvbridge_load_stage_seconds",
+            documentation="Time per load stage.",
+            buckets=_BUCKETS,
+            labelnames=[*labelnames, "stage"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        lv = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for o in transfer_stats_data.get("loads", []):
+            self.loads.labels(*lv, "ok" if o["ok"] else "failed").inc()
+            if not o["ok"]:
+                self.failures.labels(*lv, o["cause"] or "unknown").inc()
+                continue
+            self.bytes.labels(*lv).inc(o["bytes"])
+            self.descs.labels(*lv).inc(o["descriptors"])
+            self.seconds.labels(*lv).observe(o["seconds"])
+            for stage, s in o["stages"].items():
+                self.stages.labels(*lv, stage).observe(s)
