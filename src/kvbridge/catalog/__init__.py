@@ -23,7 +23,6 @@ def config_path(name: str) -> Path:
     known = names()
     if name not in known:
         raise ConfigError(
-            f"{name!r}: no such file, and no catalog model of that name "
-            f"(known: {', '.join(known)})"
+            f"{name!r}: no such file, and no catalog model of that name (known: {', '.join(known)})"
         )
     return CATALOG_DIR / name / "config.json"
