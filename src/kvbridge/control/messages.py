@@ -16,7 +16,7 @@ import msgspec
 from kvbridge.errors import LayoutError, PeerError
 from kvbridge.layout.view import RankLayout, View
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -85,7 +85,9 @@ class LeaseOp(msgspec.Struct, tag="lease", frozen=True):
 
 class LeaseReply(msgspec.Struct, tag="lease_reply", frozen=True):
     state: Literal["held", "expired", "mismatch"]
-    deadline: float
+    remaining_s: float = 0.0
+    """Seconds the lease has left when P answers (0 unless ``held``): a duration, since
+    P's clock means nothing on D."""
 
 
 class PushRuns(msgspec.Struct, tag="push", frozen=True):
