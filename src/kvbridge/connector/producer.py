@@ -1,4 +1,4 @@
-"""P side of the connector (DESIGN §7).
+"""P side of the connector.
 
 :class:`ProducerWorker` (one per P rank) registers the rank's KV memory with its
 transport and describes it as a :class:`RankInfo`. :class:`Producer` (one per P

@@ -1,4 +1,4 @@
-"""Typed, versioned wire messages of the side channel (DESIGN §6).
+"""Typed, versioned wire messages of the side channel.
 
 Every frame is ``HMAC-SHA256(secret, body) ‖ body`` with ``body`` a msgpack-encoded
 :data:`Message`. The tag is checked before the body is decoded; frames larger than

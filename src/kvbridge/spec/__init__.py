@@ -1,4 +1,4 @@
-"""Spec: what a model stores (DESIGN §1)."""
+"""Spec: what a model stores (map: ``docs/structure.md``)."""
 
 from kvbridge.spec.build import (
     attention,
