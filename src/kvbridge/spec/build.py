@@ -1,4 +1,6 @@
-"""Helpers that build layers the way engines describe them."""
+"""Builders of layers, one per cache kind, in the words engines use. The ``config.json``
+readers (:mod:`kvbridge.spec.hf_mixers`) call these too, so a spec built by hand and one
+loaded from the model's config have the same streams and the same compat hash."""
 
 from __future__ import annotations
 
