@@ -1,21 +1,14 @@
-"""Where the shared model fixtures live: ``$KVBRIDGE_SHARED``, else ``shared/`` beside the
-repository (as CI lays it out), else the workplace's ``/work/shared``."""
+"""The model fixtures, all in the repository: each model's ``config.json`` is in the
+package's catalog (``src/kvbridge/catalog/<name>/``), the facts derived from it in
+``tests/data/models/<name>/expected.json`` (keys explained in that folder's README)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
+from kvbridge.catalog import CATALOG_DIR
 
-
-def shared_dir() -> Path:
-    candidates = [Path(p) for p in [os.environ.get("KVBRIDGE_SHARED", "")] if p]
-    candidates += [_REPO.parent / "shared", Path("/work/shared")]
-    for c in candidates:
-        if (c / "data" / "models").is_dir():
-            return c
-    return candidates[0] if candidates else _REPO.parent / "shared"
-
-
-MODELS_DIR = shared_dir() / "data" / "models"
+MODELS_DIR = CATALOG_DIR
+"""``<name>/config.json`` of every catalog model."""
+EXPECTED_DIR = Path(__file__).resolve().parent / "data" / "models"
+"""``<name>/expected.json`` of every catalog model."""

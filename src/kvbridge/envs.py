@@ -20,8 +20,3 @@ def prepare_process_env() -> None:
 def progress_delay_us() -> int:
     """Delay of NIXL's progress thread between polls (µs); 0 would spin a core."""
     return int(os.environ.get("KVBRIDGE_PROGRESS_DELAY_US", "1000"))
-
-
-def lease_seconds() -> float:
-    """Default lease P grants a request's blocks."""
-    return float(os.environ.get("KVBRIDGE_LEASE_S", "30"))

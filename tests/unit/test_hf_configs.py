@@ -1,4 +1,4 @@
-"""Specs from the Hugging Face configs in shared/data/models match their expected.json,
+"""Specs from the Hugging Face configs of the catalog match their expected.json,
 plan byte-exact through the loopback transport, and bad configs name their field."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbridge import catalog
 from kvbridge.errors import ConfigError
 from kvbridge.spec import DType, Group, Kind, Parallel, attention
 from kvbridge.spec.hf import ARCHS, from_hf_config, load_config
 from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.model import Layer, ModelSpec
 from kvbridge.testing.scenario import Side, run_scenario
-from tests.fixtures import MODELS_DIR
+from tests.fixtures import EXPECTED_DIR, MODELS_DIR
 
 MODELS = (
     "deepseek-v2-lite",
@@ -52,7 +53,7 @@ def config(name: str) -> dict[str, Any]:
 
 
 def expected(name: str) -> dict[str, Any]:
-    return json.loads((MODELS_DIR / name / "expected.json").read_text())
+    return json.loads((EXPECTED_DIR / name / "expected.json").read_text())
 
 
 def derive(name: str, **kw: Any) -> ModelInfo:
@@ -64,9 +65,9 @@ def layers_of(info: ModelInfo, kind: Kind) -> list[Layer]:
 
 
 def test_every_fixture_is_tested() -> None:
-    assert MODELS_DIR.is_dir(), f"model fixtures not found at {MODELS_DIR}"
-    present = {p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file()}
-    assert present == set(MODELS)
+    assert set(catalog.names()) == set(MODELS)
+    facts = {p.name for p in EXPECTED_DIR.iterdir() if (p / "expected.json").is_file()}
+    assert facts == set(MODELS)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -17,8 +17,6 @@ class TransferHandle(msgspec.Struct, frozen=True):
     n_tokens: int
     block_tables: list[list[int]]
     """P block ids per group covering tokens ``[0, n_tokens)`` (state groups: one slot)."""
-    deadline: float
-    """Wall-clock (``time.time()``) end of the lease as granted."""
     payload: bytes = b""
     """Engine data that travels with the handle (e.g. the first sampled token)."""
 

@@ -1,4 +1,4 @@
-"""P side of the connector (DESIGN §7).
+"""P side of the connector.
 
 :class:`ProducerWorker` (one per P rank) registers the rank's KV memory with its
 transport and describes it as a :class:`RankInfo`. :class:`Producer` (one per P
@@ -9,7 +9,6 @@ instance, scheduler side) serves handshakes and leases on the side channel, retu
 from __future__ import annotations
 
 import secrets
-import time
 
 import numpy as np
 
@@ -115,7 +114,6 @@ class Producer:
         lease_id = secrets.token_hex(8)
         digest = tables_digest(tables, n_tokens)
         self.leases.grant(request_id, lease_id, tables, digest)
-        deadline = time.time() + self.leases.lease_s
         return TransferHandle(
             self.engine_id,
             self.endpoint,
@@ -124,7 +122,6 @@ class Producer:
             lease_id,
             n_tokens,
             tables,
-            deadline,
             payload,
         )
 

@@ -1,1 +1,1 @@
-"""Control: side channel, wire messages, leases (DESIGN §6)."""
+"""Control: side channel, wire messages, leases (map: ``docs/structure.md``)."""

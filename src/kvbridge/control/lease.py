@@ -1,4 +1,4 @@
-"""P-side leases: one state machine per request (DESIGN §6).
+"""P-side leases: one state machine per request.
 
     HELD ──all D ranks reported──► DONE
       │ ──abort────────────────► ABORTED
@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,15 +64,11 @@ class Freed:
 class LeaseTable:
     """Thread-safe; time is ``time.monotonic()`` unless a clock is given."""
 
-    def __init__(
-        self, lease_s: float, clock: Callable[[], float] = time.monotonic, keep: int = 10000
-    ):
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic):
         self.lease_s = lease_s
         self.clock = clock
         self._lock = threading.Lock()
         self._held: dict[str, Lease] = {}
-        self._finished: OrderedDict[str, LeaseState] = OrderedDict()
-        self._keep = keep
         self._freed: list[Freed] = []
 
     def grant(self, request_id: str, lease_id: str, tables: list[list[int]], digest: str) -> Lease:
@@ -89,18 +84,18 @@ class LeaseTable:
             self._expire_locked()
             lease = self._held.get(op.request_id)
             if lease is None or lease.lease_id != op.lease_id:
-                return LeaseReply("expired", 0.0)
+                return LeaseReply("expired")
             if op.tables_digest != lease.digest:
-                return LeaseReply("mismatch", 0.0)
+                return LeaseReply("mismatch")
             if op.op in ("begin", "renew"):
                 lease.deadline = max(lease.deadline, self.clock() + self.lease_s)
             elif op.d_rank not in range(op.d_world):
-                return LeaseReply("mismatch", 0.0)
+                return LeaseReply("mismatch")
             else:  # confirm / fail: this D rank is finished with the blocks
                 lease.reported.add(op.d_rank)
                 if len(lease.reported) >= op.d_world:
                     self._move(lease, Event.ALL_REPORTED)
-            return LeaseReply("held", lease.deadline)
+            return LeaseReply("held", max(lease.deadline - self.clock(), 0.0))
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -109,10 +104,6 @@ class LeaseTable:
                 return False
             self._move(lease, Event.ABORT)
             return True
-
-    def tick(self) -> None:
-        with self._lock:
-            self._expire_locked()
 
     def drain_freed(self) -> list[Freed]:
         with self._lock:
@@ -132,7 +123,4 @@ class LeaseTable:
     def _move(self, lease: Lease, event: Event) -> None:
         lease.state = TRANSITIONS[(lease.state, event)]
         del self._held[lease.request_id]
-        self._finished[lease.request_id] = lease.state
-        while len(self._finished) > self._keep:
-            self._finished.popitem(last=False)
         self._freed.append(Freed(lease.request_id, lease.tables, lease.state))

@@ -1,4 +1,4 @@
-"""Typed, versioned wire messages of the side channel (DESIGN §6).
+"""Typed, versioned wire messages of the side channel.
 
 Every frame is ``HMAC-SHA256(secret, body) ‖ body`` with ``body`` a msgpack-encoded
 :data:`Message`. The tag is checked before the body is decoded; frames larger than
@@ -16,7 +16,7 @@ import msgspec
 from kvbridge.errors import LayoutError, PeerError
 from kvbridge.layout.view import RankLayout, View
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -87,7 +87,9 @@ class LeaseOp(msgspec.Struct, tag="lease", frozen=True):
 
 class LeaseReply(msgspec.Struct, tag="lease_reply", frozen=True):
     state: Literal["held", "expired", "mismatch"]
-    deadline: float
+    remaining_s: float = 0.0
+    """Seconds the lease has left when P answers (0 unless ``held``): a duration, since
+    P's clock means nothing on D."""
 
 
 class PushRuns(msgspec.Struct, tag="push", frozen=True):

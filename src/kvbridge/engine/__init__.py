@@ -1,4 +1,4 @@
-"""The reference engine (DESIGN §8): a small paged-KV decoder whose cache is laid out by
+"""The reference engine: a small paged-KV decoder whose cache is laid out by
 kvbridge, with real TP over processes. See ``docs/engine.md``."""
 
 from kvbridge.engine.config import MIXERS, PRESETS, ModelConfig, preset

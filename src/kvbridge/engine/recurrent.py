@@ -71,7 +71,8 @@ class DeltaNet:
 
     def forward(self, x: torch.Tensor, step: Step, cache: PagedCache) -> torch.Tensor:
         n, h, dk, dv = x.shape[0], self.heads, self.dk, self.dv
-        conv, rec = cache.segments(self.layer, "conv"), cache.segments(self.layer, "recurrent")
+        conv = cache.segments(self.layer, "conv_state")
+        rec = cache.segments(self.layer, "recurrent_state")
         slot, fresh = step.slot(self.group), step.start == 0
         y, conv_state = causal_conv(read_state(conv, slot, fresh), x @ self.w_in, self.w_conv)
         write_state(conv, slot, conv_state)
@@ -123,7 +124,10 @@ class Mamba:
 
     def forward(self, x: torch.Tensor, step: Step, cache: PagedCache) -> torch.Tensor:
         n, h, hd, dn, g = x.shape[0], self.heads, self.hd, self.dn, self.my_groups
-        conv, ssm = cache.segments(self.layer, "conv"), cache.segments(self.layer, "ssm")
+        conv, ssm = (
+            cache.segments(self.layer, "conv_state"),
+            cache.segments(self.layer, "ssm_state"),
+        )
         slot, fresh = step.slot(self.group), step.start == 0
         y, conv_state = causal_conv(read_state(conv, slot, fresh), x @ self.w_in, self.w_conv)
         write_state(conv, slot, conv_state)

@@ -2,10 +2,10 @@
 
 full / sliding   streams k, v       units = KV heads, head_dim float64 each
 mla              stream latent      1 replicated unit of kv_lora_rank + rope_dim
-gdn / kda        stream conv        kernel-1 rows of q | k | v channels, by head
-                 stream recurrent   1 row, units = heads, key_dim·value_dim each
-mamba            stream conv        kernel-1 rows of x | B | C channels
-                 stream ssm         1 row, units = heads, head_dim·d_state each
+gdn / kda        conv_state         kernel-1 rows of q | k | v channels, by head
+                 recurrent_state    1 row, units = heads, key_dim·value_dim each
+mamba            conv_state         kernel-1 rows of x | B | C channels
+                 ssm_state          1 row, units = heads, head_dim·d_state each
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from kvbridge.spec import (
     Layer,
     ModelSpec,
     attention,
+    gated_deltanet,
     group_by_kind,
     mamba2,
     mla,
-    state,
-    state_tensor,
 )
 
 F64 = DType.FP64
@@ -45,6 +44,4 @@ def _layer(i: int, mixer: str, c: ModelConfig) -> Layer:
             i, c.ssm_heads, c.ssm_head_dim, c.ssm_groups, c.ssm_state, c.conv_kernel, F64, F64
         )
     h, dk, dv = c.lin_heads, c.lin_key_dim, c.lin_value_dim
-    conv = state_tensor("conv", c.conv_kernel - 1, [(h, dk), (h, dk), (h, dv)], F64)
-    recurrent = state_tensor("recurrent", 1, [(h, dk * dv)], F64)
-    return state(i, [conv, recurrent])
+    return gated_deltanet(i, h, dk, h, dv, c.conv_kernel, F64, F64)

@@ -1,4 +1,4 @@
-"""Layout: where a rank keeps its bytes (DESIGN §2)."""
+"""Layout: where a rank keeps its bytes (map: ``docs/structure.md``)."""
 
 from kvbridge.layout.build import LAYOUTS, build_layout
 from kvbridge.layout.view import RankLayout, View

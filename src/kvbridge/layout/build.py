@@ -1,4 +1,4 @@
-"""Named layouts are stride choices (DESIGN §2). Builders return a :class:`RankLayout`.
+"""Named layouts are stride choices. Builders return a :class:`RankLayout`.
 
     nhd          per layer  [blocks][K|V][tokens][heads][dim]   (or K, V in separate regions)
     hnd          per layer  [blocks][heads][K|V][tokens][dim]   a head slice is contiguous

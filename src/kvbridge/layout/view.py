@@ -1,4 +1,4 @@
-"""Physical layout of one rank (DESIGN §2): regions and strided views into them.
+"""Physical layout of one rank: regions and strided views into them.
 
     addr(block b, row r, segment s, local unit u) = region_base + offset
         + b·block_stride + seg_offsets[s] + r·row_strides[s] + u·unit_strides[s]

@@ -1,4 +1,6 @@
-"""Plan: which bytes go where, geometry once per pair, runs per request (DESIGN §4)."""
+"""Plan: which bytes go where, geometry once per pair, runs per request.
+
+Map of the package: ``docs/structure.md``."""
 
 from kvbridge.plan.build import Geometry
 from kvbridge.plan.geometry import Bound

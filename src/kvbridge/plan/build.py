@@ -1,4 +1,4 @@
-"""Per-pair geometry and the per-request plan (DESIGN §4)."""
+"""Per-pair geometry and the per-request plan."""
 
 from __future__ import annotations
 

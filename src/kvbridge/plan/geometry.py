@@ -1,4 +1,4 @@
-"""Geometry (DESIGN §4): the byte pattern of one tile, computed once per pair.
+"""Geometry: the byte pattern of one tile, computed once per pair.
 
 A tile is ``lcm(bs_P, bs_D)`` tokens: ``T/bs_P`` P blocks and ``T/bs_D`` D blocks. For a
 state group the tile is one slot. Every run of the pattern is

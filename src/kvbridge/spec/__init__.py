@@ -1,6 +1,16 @@
-"""Spec: what a model stores (DESIGN §1)."""
+"""Spec: what a model stores (map: ``docs/structure.md``)."""
 
-from kvbridge.spec.build import attention, group_by_kind, mamba2, mla, state, state_tensor
+from kvbridge.spec.build import (
+    attention,
+    gated_deltanet,
+    group_by_kind,
+    kimi_delta,
+    mamba1,
+    mamba2,
+    mla,
+    state,
+    state_tensor,
+)
 from kvbridge.spec.dtypes import DType, parse_dtype
 from kvbridge.spec.hf import from_hf_config
 from kvbridge.spec.info import ModelInfo
@@ -21,8 +31,11 @@ __all__ = [
     "Stream",
     "attention",
     "from_hf_config",
+    "gated_deltanet",
     "group_by_kind",
+    "kimi_delta",
     "load_model",
+    "mamba1",
     "mamba2",
     "mla",
     "parse_dtype",

@@ -1,4 +1,4 @@
-"""Model spec from a Hugging Face ``config.json`` (DESIGN §1).
+"""Model spec from a Hugging Face ``config.json``.
 
 Two steps, each read generally rather than per checkpoint:
 

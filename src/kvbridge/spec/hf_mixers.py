@@ -2,8 +2,9 @@
 
 A mixer builds the spec :class:`Layer` of one model layer and names the config fields
 whose units are split over TP (so a bad TP is reported by field name). State tensors are
-rows × row (see :func:`kvbridge.spec.build.state_tensor`); the row is a concatenation
-of segments, each sharded over TP on its own:
+rows × row, built by :mod:`kvbridge.spec.build` (one builder per cache kind, so a spec
+loaded here and one an engine builds by hand hash alike); the row is a concatenation of
+segments, each sharded over TP on its own:
 
     mamba2  conv_state       [d_conv-1, x|B|C]   x: heads × head_dim, B, C: n_groups × d_state
             ssm_state        [heads, head_dim, d_state]     1 row: heads × (head_dim·d_state)
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
-from kvbridge.spec.build import attention, mla, state, state_tensor
+from kvbridge.spec import build
 from kvbridge.spec.dtypes import DType
 from kvbridge.spec.hf_fields import Fields
 from kvbridge.spec.model import Kind, Layer
@@ -58,7 +59,7 @@ def kv_attention(f: Fields, dt: Dtypes, kind: Kind, window: int = 0, chunk: int 
     head_dim = f.opt_int("head_dim") or _head_dim(f, heads)
 
     def make(i: int) -> Layer:
-        return attention(i, kv_heads, head_dim, dt.kv, kind, window=window, chunk=chunk)
+        return build.attention(i, kv_heads, head_dim, dt.kv, kind, window=window, chunk=chunk)
 
     return Mixer(make, ((f.path("num_key_value_heads"), kv_heads),))
 
@@ -76,7 +77,7 @@ def _head_dim(f: Fields, heads: int) -> int:
 def mla_latent(f: Fields, dt: Dtypes) -> Mixer:
     """One latent of ``kv_lora_rank + qk_rope_head_dim`` per token, replicated over TP."""
     width = f.req_int("kv_lora_rank") + f.req_int("qk_rope_head_dim")
-    return Mixer(lambda i: mla(i, width, dt.kv), ())
+    return Mixer(lambda i: build.mla(i, width, dt.kv), ())
 
 
 def mamba2(f: Fields, dt: Dtypes) -> Mixer:
@@ -97,12 +98,9 @@ def mamba2(f: Fields, dt: Dtypes) -> Mixer:
         raise ConfigError(
             f"{f.path(heads_key)}={heads} is not a multiple of {f.path(groups_key)}={groups}"
         )
-    conv_segs = [(heads, head_dim), (groups, d_state), (groups, d_state)]
 
     def make(i: int) -> Layer:
-        conv = state_tensor("conv_state", d_conv - 1, conv_segs, dt.conv)
-        ssm = state_tensor("ssm_state", 1, [(heads, head_dim * d_state)], dt.ssm)
-        return state(i, [conv, ssm])
+        return build.mamba2(i, heads, head_dim, groups, d_state, d_conv, dt.conv, dt.ssm)
 
     return Mixer(make, ((f.path(heads_key), heads), (f.path(groups_key), groups)))
 
@@ -113,9 +111,7 @@ def mamba1(f: Fields, dt: Dtypes) -> Mixer:
     d_conv = f.req_int("mamba_d_conv")
 
     def make(i: int) -> Layer:
-        conv = state_tensor("conv_state", d_conv - 1, [(d_inner, 1)], dt.conv)
-        ssm = state_tensor("ssm_state", 1, [(d_inner, d_state)], dt.ssm)
-        return state(i, [conv, ssm])
+        return build.mamba1(i, d_inner, d_state, d_conv, dt.conv, dt.ssm)
 
     field = f"{f.path('mamba_expand')} × {f.path('hidden_size')}"
     return Mixer(make, ((field, d_inner),))
@@ -132,12 +128,9 @@ def gated_deltanet(f: Fields, dt: Dtypes) -> Mixer:
             f"{f.path('linear_num_value_heads')}={v_heads} is not a multiple of "
             f"{f.path('linear_num_key_heads')}={k_heads}"
         )
-    conv_segs = [(k_heads, k_dim), (k_heads, k_dim), (v_heads, v_dim)]
 
     def make(i: int) -> Layer:
-        conv = state_tensor("conv_state", kernel - 1, conv_segs, dt.conv)
-        rec = state_tensor("recurrent_state", 1, [(v_heads, k_dim * v_dim)], dt.ssm)
-        return state(i, [conv, rec])
+        return build.gated_deltanet(i, k_heads, k_dim, v_heads, v_dim, kernel, dt.conv, dt.ssm)
 
     sharded = (
         (f.path("linear_num_key_heads"), k_heads),
@@ -154,11 +147,7 @@ def kimi_delta(f: Fields, dt: Dtypes) -> Mixer:
     kernel = lin.req_int("short_conv_kernel_size")
 
     def make(i: int) -> Layer:
-        convs = [
-            state_tensor(f"conv_state_{x}", kernel - 1, [(heads, head_dim)], dt.conv) for x in "qkv"
-        ]
-        rec = state_tensor("recurrent_state", 1, [(heads, head_dim * head_dim)], dt.ssm)
-        return state(i, [*convs, rec])
+        return build.kimi_delta(i, heads, head_dim, kernel, dt.conv, dt.ssm)
 
     return Mixer(make, ((lin.path("num_heads"), heads),))
 

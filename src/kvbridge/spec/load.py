@@ -1,11 +1,12 @@
-"""One entry point for a model description on disk: a directory holding ``config.json``,
-a ``config.json`` itself, or a kvbridge spec file (``.toml``, or JSON with
-``kvbridge_spec``)."""
+"""One entry point for a model description: a directory holding ``config.json``, a
+``config.json`` itself, a kvbridge spec file (``.toml``, or JSON with ``kvbridge_spec``),
+or the bare name of a model in :mod:`kvbridge.catalog` (``"llama-3.1-8b"``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvbridge import catalog
 from kvbridge.errors import ConfigError
 from kvbridge.spec.dtypes import DType
 from kvbridge.spec.hf import from_hf_config, load_config
@@ -16,8 +17,9 @@ from kvbridge.spec.specfile import is_spec_file, load_spec_file, spec_from_dict
 def load_model(
     path: str | Path, kv_dtype: DType | None = None, ssm_dtype: DType | None = None
 ) -> ModelInfo:
-    """The spec of the model at ``path``; a config's name is its directory's name."""
-    p = Path(path)
+    """The spec of the model at ``path`` (or of the catalog model of that name, if no such
+    path exists); a config's name is its directory's name."""
+    p = _resolve(Path(path))
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ConfigError(f"{p}: directory has no config.json")
@@ -31,6 +33,13 @@ def load_model(
         return spec_from_dict(data, kv_dtype)
     name = p.resolve().parent.name if p.name == "config.json" else p.stem
     return from_hf_config(data, name, kv_dtype, ssm_dtype)
+
+
+def _resolve(p: Path) -> Path:
+    """``p``, or the catalog's config for a bare name (one path part, not a file name)."""
+    if p.exists() or len(p.parts) != 1 or p.name.endswith((".json", ".toml")):
+        return p
+    return catalog.config_path(p.name)
 
 
 def _no_ssm_override(ssm_dtype: DType | None) -> None:

@@ -1,4 +1,4 @@
-"""What a model stores, logically (DESIGN §1): layers, their streams, groups.
+"""What a model stores, logically: layers, their streams, groups.
 
 Vocabulary (shapes are per token for attention streams, per sequence for state):
 

@@ -1,4 +1,4 @@
-"""The element-wise reference (DESIGN §4): deliberately naive, one unit at a time.
+"""The element-wise reference: deliberately naive, one unit at a time.
 
 P memories are filled so that every unit of every (layer, stream, token/row) holds
 bytes that encode where it came from; the reference then says what every D byte must
@@ -30,7 +30,8 @@ def encode(layer: int, stream: int, token: int, unit: int, nbytes: int) -> np.nd
 
 
 def held_units(units: int, tp: int, rank: int, replicated: bool) -> list[int]:
-    """The global units TP ``rank`` holds, by the rule stated in DESIGN §1."""
+    """The global units TP ``rank`` holds, by the rule of
+    :func:`kvbridge.spec.sharding.shard_interval` (written out again, one unit at a time)."""
     if replicated:
         return list(range(units))
     if units >= tp:

@@ -1,4 +1,4 @@
-"""Who serves what (DESIGN §3): for one D rank, the P rank serving each unit interval.
+"""Who serves what: for one D rank, the P rank serving each unit interval.
 
 Computed once per (P instance, D rank) pair. Units a D rank needs are intersected with
 every P rank's holdings; a unit held by several P ranks (replicated heads, MLA latents)

@@ -1,4 +1,4 @@
-"""The transport interface (DESIGN §5): register, add peer, read/write runs, poll.
+"""The transport interface: register, add peer, read/write runs, poll.
 
 Runs are ``(N, 3)`` uint64 arrays of ``(local_or_src_addr, remote_or_dst_addr, nbytes)``
 as produced by the planner; see :class:`Runs`. Two implementations exist:

@@ -1,4 +1,4 @@
-"""NIXL transport (DESIGN §5), the only kvbridge module importing NIXL: one rank's agent
+"""NIXL transport, the only kvbridge module importing NIXL: one rank's agent
 (UCX, host memory, device 0, progress thread sleeping between polls). NIXL's status
 strings, ``None`` returns and binding exceptions become :class:`XferState` values and
 :mod:`kvbridge.errors` here. On loopback UCX copies inside ``read()``/``write()``

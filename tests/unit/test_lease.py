@@ -1,0 +1,43 @@
+"""P's lease table on its own, with a clock the test moves: replies carry the time left
+as a duration (P's monotonic clock means nothing on D), and a lapsed lease frees once."""
+
+from __future__ import annotations
+
+from kvbridge.control.lease import LeaseState, LeaseTable
+from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, seal, unseal
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def op(name: LeaseOpName, d_rank: int = 0) -> LeaseOp:
+    return LeaseOp(name, "r1", "L1", "digest", "D", d_rank, 2)
+
+
+def test_replies_carry_the_seconds_left_not_p_clock() -> None:
+    clock = Clock(1000.0)
+    table = LeaseTable(30.0, clock)
+    table.grant("r1", "L1", [[3, 4]], "digest")
+    clock.now = 1010.0
+    assert table.on_op(op("confirm")) == LeaseReply("held", 20.0)
+    assert table.on_op(op("renew")) == LeaseReply("held", 30.0)
+    reply = unseal(seal(table.on_op(op("begin")), b"k"), b"k")
+    assert reply == LeaseReply("held", 30.0)
+
+
+def test_a_lapsed_lease_answers_expired_and_frees_its_blocks_once() -> None:
+    clock = Clock(0.0)
+    table = LeaseTable(5.0, clock)
+    table.grant("r1", "L1", [[3, 4]], "digest")
+    clock.now = 5.0
+    assert table.on_op(op("confirm")) == LeaseReply("expired", 0.0)
+    freed = table.drain_freed()
+    assert [(f.request_id, f.tables, f.reason) for f in freed] == [
+        ("r1", [[3, 4]], LeaseState.EXPIRED)
+    ]
+    assert table.drain_freed() == []
