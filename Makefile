@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export UCX_MODULES := ^ib
 export NIXL_LOG_LEVEL := WARN
 
-.PHONY: test demo lint typecheck pytest bench clean
+.PHONY: test demo demo-vllm lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: lint typecheck pytest
 
 demo: $(STAMP)
 	$(BIN)/kvbridge demo
+
+# P and D vLLM servers with the kvbridge connector behind `kvbridge proxy`
+demo-vllm: $(STAMP)
+	$(BIN)/python -m kvbridge.integrations.vllm.demo
 
 bench: $(STAMP)
 	$(BIN)/kvbridge bench plan
