@@ -28,14 +28,16 @@ class Side:
     """Blocks (state: slots) for all groups, or per group name (then one pool per group)."""
     kv_packed: bool = True
     layouts: list[RankLayout] = field(default_factory=list)
+    """Built from ``layout`` by name, unless given (one per rank)."""
     bufs: list[list[np.ndarray]] = field(default_factory=list)
 
     def allocate(self, rng: np.random.Generator) -> None:
-        for r in range(self.par.world):
-            lay = build_layout(
-                self.spec, self.par, r, self.layout, self.num_blocks, kv_packed=self.kv_packed
-            )
-            self.layouts.append(lay)
+        if not self.layouts:
+            self.layouts = [
+                build_layout(self.spec, self.par, r, self.layout, self.num_blocks, self.kv_packed)
+                for r in range(self.par.world)
+            ]
+        for lay in self.layouts:
             self.bufs.append([rng.integers(0, 256, n, dtype=np.uint8) for n in lay.regions])
 
     def bound(self, r: int) -> Bound:
