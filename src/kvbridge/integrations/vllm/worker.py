@@ -69,7 +69,16 @@ class WorkerSide:
         return RankMeta(encode_info(self.producer.info)) if self.producer else None
 
     def start(self, meta: StepMeta) -> None:
-        self._sent.update(meta.freed)
+        for request_id, ended in meta.freed:
+            self._sent.add(request_id)
+            self.totals[f"leases_{ended}"] += 1
+        for text in meta.releases:
+            try:
+                if self.consumer is not None:
+                    self.consumer.release(decode_handle(text))
+                    self.totals.update(releases=1)
+            except KVBridgeError as e:  # P frees the blocks at lease expiry instead
+                log.warning("kvbridge: cannot release a handle at P: %s", e)
         for job in meta.loads:
             try:
                 if self.consumer is None:
@@ -101,7 +110,14 @@ class WorkerSide:
             )
             self.observed.append(observation(out))
             if not out.ok:
-                log.error("kvbridge: load of request %s failed: %s", out.request_id, out.error)
+                stages = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in out.stages.items())
+                log.error(
+                    "kvbridge: load of request %s failed after %.2f s (%s): %s",
+                    out.request_id,
+                    out.seconds,
+                    stages or "no stage reached",
+                    out.error,
+                )
         sent, self._sent = self._sent, set()
         return sent, {o.request_id for o in done}, {o.request_id for o in done if not o.ok}
 
