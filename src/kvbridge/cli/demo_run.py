@@ -162,11 +162,15 @@ def _check_lengths(prompts: Sequence[Sequence[int]], args: argparse.Namespace) -
     n = len(prompts[longest])
     if n + args.new_tokens <= MAX_TOKENS:
         return
-    where = f"--prompts {args.prompts}: prompt {longest + 1}" if args.prompts else "a prompt"
+    if args.prompts and n >= MAX_TOKENS:
+        lead = f"--prompts {args.prompts}: prompt {longest + 1} has {n} tokens"
+    else:
+        where = f"prompt {longest + 1} of --prompts" if args.prompts else "a built-in prompt"
+        lead = f"--new-tokens {args.new_tokens}: {where} has {n} tokens"
     raise ConfigError(
-        f"--new-tokens {args.new_tokens}: {where} has {n} tokens; {n} + {args.new_tokens} "
-        f"> {MAX_TOKENS} tokens, the most one demo request holds (the colocated run that "
-        f"checks D's output has {REFERENCE_BLOCKS} blocks of {REFERENCE_BLOCK} tokens)"
+        f"{lead}; {n} + {args.new_tokens} new > {MAX_TOKENS} tokens, the most one demo "
+        f"request holds (the colocated run that checks D's output has {REFERENCE_BLOCKS} "
+        f"blocks of {REFERENCE_BLOCK} tokens)"
     )
 
 

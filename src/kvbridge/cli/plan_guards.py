@@ -19,9 +19,11 @@ from kvbridge.errors import ConfigError
 from kvbridge.plan.dry_run import Instance, dry_run, pool_size
 from kvbridge.spec.info import ModelInfo
 
-BYTES_PER_DESCRIPTOR = 64
+BYTES_PER_DESCRIPTOR = 128
 """Peak bytes per descriptor of the largest rank while it is planned and summarised
-(measured: about 48 under tracemalloc, 24 in RSS; a test keeps the bound honest)."""
+(measured under tracemalloc: 48 to 82; a test keeps the bound honest)."""
+FIXED_BYTES = 16 << 20
+"""Geometry, layouts and small tables, whatever the token count."""
 BYTES_PER_BLOCK_ID = 40
 """Block tables: the shuffled pool, P's and D's tables and their int64 copies."""
 SAMPLE_TOKENS = (2048, 4096)
@@ -45,7 +47,7 @@ def estimate(info: ModelInfo, p: Instance, d: Instance, tokens: int, seed: int |
     slope = [max(b - a, 0) / (t2 - t1) if t2 > t1 else 0.0 for a, b in zip(one, two, strict=True)]
     desc = max(int(b + s * (tokens - t2)) + 1 for b, s in zip(two, slope, strict=True))
     pool = max(pool_size(info.spec.with_block_sizes(x.block), tokens) for x in (p, d))
-    return Estimate(desc, desc * BYTES_PER_DESCRIPTOR + pool * BYTES_PER_BLOCK_ID)
+    return Estimate(desc, FIXED_BYTES + desc * BYTES_PER_DESCRIPTOR + pool * BYTES_PER_BLOCK_ID)
 
 
 def context_length(model: str) -> int | None:

@@ -1,0 +1,60 @@
+"""Long commands say how far they are on stderr, ``bench plan --quick`` is honoured, and
+the demo's table gives latency and marks transfers too small for GB/s to mean much."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbridge.cli.demo_report import LATENCY_BOUND, Row, Summary, render_json, render_text
+from kvbridge.cli.main import main
+
+
+def test_bench_plan_quick_prints_progress_and_leaves_out_the_large_cases(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "plan", "--quick", "--calls", "3", "--json"]) == 0
+    out = capsys.readouterr()
+    rows = json.loads(out.out)
+    assert len(rows) == 8 and {r["tokens"] for r in rows} == {1024}
+    lines = out.err.splitlines()
+    assert [line.split()[2] for line in lines] == [f"[{i}/8]" for i in range(1, 9)]
+    assert all(line.startswith("bench plan [") and " µs, " in line for line in lines)
+
+
+def test_bench_plan_calls_are_not_raised_behind_the_users_back() -> None:
+    from kvbridge.bench import plan_bench
+
+    seen: list[int] = []
+    real = plan_bench.best_median_us
+
+    def spy(fn: object, calls: int, batches: int = 5) -> float:
+        seen.append(calls)
+        return real(fn, calls, batches)  # type: ignore[arg-type]
+
+    plan_bench.best_median_us = spy  # type: ignore[assignment]
+    try:
+        plan_bench.cases(7, quick=True)
+    finally:
+        plan_bench.best_median_us = real
+    assert seen and set(seen) == {7}
+
+
+def row(name: str, nbytes: int, ms: float) -> Row:
+    return Row(name, 20, 0, nbytes, 4, ms, True, False)
+
+
+def test_demo_table_has_latency_and_marks_latency_bound_rows() -> None:
+    small, large = row("r1", 14_000, 17.0), row("r2", 4 * LATENCY_BOUND, 2.0)
+    summary = Summary("kimi-linear", "TP 2", "TP 1", "pull", 20, [small, large], 3.0)
+    text = render_text(summary)
+    header, first, second = text.splitlines()[:3]
+    assert "latency ms" in header and "GB/s" in header
+    assert first.split()[-3:] == ["17.0", "0.00082*", "match"]
+    assert second.split()[-3:] == ["2.0", "2.1", "match"]
+    assert "latency-bound" in text and "not the bandwidth" in text
+    out = render_json(summary)
+    assert [r["latency_bound"] for r in out["requests"]] == [True, False]
+    only_large = render_text(Summary("k", "a", "b", "pull", 20, [large], 1.0))
+    assert "latency-bound" not in only_large
