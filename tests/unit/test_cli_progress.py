@@ -58,3 +58,21 @@ def test_demo_table_has_latency_and_marks_latency_bound_rows() -> None:
     assert [r["latency_bound"] for r in out["requests"]] == [True, False]
     only_large = render_text(Summary("k", "a", "b", "pull", 20, [large], 1.0))
     assert "latency-bound" not in only_large
+
+
+def test_bench_transfer_reports_each_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cases themselves need NIXL processes (tests/integration); here each is faked."""
+    from kvbridge.bench import transfer_bench
+
+    def fake(case: transfer_bench.Case) -> dict[str, object]:
+        return {"descriptors": 32, "gbps": 5.5, "contiguous_gbps": 6.1, "memcpy_gbps": 12.0}
+
+    monkeypatch.setattr(transfer_bench, "run_case", fake)
+    lines: list[str] = []
+    rows = transfer_bench.run_all(quick=True, progress=lines.append)
+    assert len(rows) == len(lines) == 6
+    assert lines[0] == (
+        "[1/6] 1024 tokens TP 1→1 nhd consecutive: 32 descriptors, gbps 5.5, "
+        "contiguous_gbps 6.1, memcpy_gbps 12.0"
+    )
+    assert len(transfer_bench.run_all(progress=lines.append)) == 12
