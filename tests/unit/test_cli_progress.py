@@ -61,7 +61,8 @@ def test_demo_table_has_latency_and_marks_latency_bound_rows() -> None:
 
 
 def test_bench_transfer_reports_each_case(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cases themselves need NIXL processes (tests/integration); here each is faked."""
+    """Real cases need NIXL processes and minutes (run `kvbridge bench transfer --quick`
+    by hand); here each case is faked."""
     from kvbridge.bench import transfer_bench
 
     def fake(case: transfer_bench.Case) -> dict[str, object]:
