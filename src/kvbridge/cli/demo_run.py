@@ -102,7 +102,10 @@ LONG = 128
 
 def _one(router: Router, cfg: ModelConfig, r: DemoRequest, n_new: int, tag: str, say: Say) -> Row:
     if n_new >= LONG:
-        say(f"{tag} {r.req_id}: {len(r.prompt)} prompt tokens; P/D and colocated decode {n_new}")
+        say(
+            f"{tag} {r.req_id}: {len(r.prompt)} prompt tokens; prefill on P, transfer, "
+            f"{n_new} tokens decoded on D, then the colocated check ..."
+        )
     out = router.generate(r.req_id, r.prompt, n_new, r.cached)
     matches = out.tokens == generate(cfg, r.prompt, tp=1, n_new_tokens=n_new)
     row = Row(
