@@ -77,3 +77,21 @@ def test_bench_transfer_reports_each_case(monkeypatch: pytest.MonkeyPatch) -> No
         "contiguous_gbps 6.1, memcpy_gbps 12.0"
     )
     assert len(transfer_bench.run_all(progress=lines.append)) == 12
+
+
+def test_large_plans_report_each_rank_and_plan_the_same(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvbridge.cli import plan_run
+
+    argv = ["plan", "--model", "qwen3-next-80b-a3b", "--tokens", "3000", "--json"]
+    argv += ["--prefill", "tp=2,pp=2", "--decode", "tp=4", "--shuffle-blocks", "3"]
+    assert main(argv) == 0
+    quiet = capsys.readouterr()
+    monkeypatch.setattr(plan_run, "PROGRESS_DESCRIPTORS", 0)
+    assert main(argv) == 0
+    loud = capsys.readouterr()
+    assert json.loads(loud.out) == json.loads(quiet.out)
+    assert "planned" not in quiet.err
+    lines = [ln for ln in loud.err.splitlines() if "planned" in ln]
+    assert [ln.split()[4] for ln in lines] == ["1/4", "2/4", "3/4", "4/4"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import replace
 
 from kvbridge.cli.args import SideSpec
-from kvbridge.cli.plan_guards import context_length, estimate
+from kvbridge.cli.plan_guards import Estimate, context_length, estimate
 from kvbridge.cli.plan_report import Report, human, render_json, render_text
 from kvbridge.errors import ConfigError, SpecError
 from kvbridge.plan.dry_run import Instance, RankPlan, dry_run
@@ -19,6 +20,8 @@ from kvbridge.spec.load import load_model
 
 SMALL_RUN = 16 * 1024
 """Mean run size (bytes) below which descriptor count dominates (shared/NIXL_NOTES.md)."""
+PROGRESS_DESCRIPTORS = 2_000_000
+"""Estimated descriptors (largest D rank) from which each rank's plan gets a line."""
 SHARED_KEYS = ("block", "layout")
 """Keys one side takes from the other when left out (TP and PP default to 1)."""
 
@@ -30,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     p, d = sides(args.prefill, args.decode)
     if args.cached_tokens > args.tokens:
         raise ConfigError(f"--cached-tokens: {args.cached_tokens} not in [0, {args.tokens}]")
-    _check_memory(info, p, d, args)
-    ranks = dry_run(info, p, d, args.tokens, args.cached_tokens, args.shuffle_blocks)
+    est = _check_memory(info, p, d, args)
+    ranks = plan_ranks(info, p, d, args, progress=est.descriptors >= PROGRESS_DESCRIPTORS)
     report = Report(info, p, d, args.tokens, args.cached_tokens, args.shuffle_blocks, ranks)
     report.warnings.extend(_context_warning(args.model, args.tokens))
     report.warnings.extend(warnings(report, args.max_memory))
@@ -56,7 +59,23 @@ def sides(prefill: SideSpec, decode: SideSpec) -> tuple[Instance, Instance]:
     return out[0], out[1]
 
 
-def _check_memory(info: ModelInfo, p: Instance, d: Instance, args: argparse.Namespace) -> None:
+def plan_ranks(
+    info: ModelInfo, p: Instance, d: Instance, args: argparse.Namespace, progress: bool
+) -> list[RankPlan]:
+    """Every D rank's plan; with ``progress``, one rank at a time with a line on stderr
+    each (the seeded block tables are the same in every call, so are the plans)."""
+    request = (args.tokens, args.cached_tokens, args.shuffle_blocks)
+    if not progress:
+        return dry_run(info, p, d, *request)
+    world, out, t0 = d.tp * d.pp, [], time.perf_counter()
+    for r in range(world):
+        out += dry_run(info, p, d, *request, d_ranks=[r])
+        took = time.perf_counter() - t0
+        print(f"kvbridge plan: D rank {r + 1}/{world} planned ({took:.1f} s)", file=sys.stderr)
+    return out
+
+
+def _check_memory(info: ModelInfo, p: Instance, d: Instance, args: argparse.Namespace) -> Estimate:
     est = estimate(info, p, d, args.tokens, args.shuffle_blocks)
     if est.bytes > args.max_memory:
         shuffled = (
@@ -67,6 +86,7 @@ def _check_memory(info: ModelInfo, p: Instance, d: Instance, args: argparse.Name
             f"({est.descriptors:,} descriptors on the largest D rank), over the limit of "
             f"{human(args.max_memory)} (--max-memory); plan fewer tokens or raise the limit"
         )
+    return est
 
 
 def _context_warning(model: str, tokens: int) -> list[str]:
