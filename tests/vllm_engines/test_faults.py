@@ -1,12 +1,12 @@
 """Bad input and faults in real vLLM: a tampered or malformed handle and a killed P make
 the load fail; vLLM's ``kv_load_failure_policy="recompute"`` then recomputes on D, so the
-output still equals the colocated run; nothing hangs and D keeps serving."""
+output still equals the colocated run; with ``"fail"`` the failed request alone finishes
+with an error. Nothing hangs and D keeps serving."""
 
 from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -20,10 +20,9 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def engines(models: Path) -> Iterator[tuple[Engine, ...]]:
-    p = start(models, "llama", "faults-p", block_size=64, cpus="0")
-    d = start(models, "llama", "faults-d", block_size=32, cpus="1")
-    yield from closing(p, d)
+def engines(llama_pair: tuple[Engine, ...]) -> tuple[Engine, ...]:
+    b32, b128 = llama_pair
+    return b128, b32  # P, D
 
 
 def failed(d: Engine) -> int:
@@ -64,16 +63,38 @@ def test_bad_handles_fail_then_recompute(engines: tuple[Engine, ...]) -> None:
     assert pd(p, d, more) == [o.tokens for o in p.generate(more, 16)]
 
 
-def test_killed_p_recomputes_on_d(engines: tuple[Engine, ...]) -> None:
-    """Last in the module: it kills P."""
+def test_fail_policy_then_killed_p(engines: tuple[Engine, ...], models: Path) -> None:
+    """With ``kv_load_failure_policy="fail"`` only the request whose load failed finishes
+    with an error; then that engine serves as a P that is killed after prefill, and the
+    shared D recomputes both requests."""
     p, d = engines
-    batch = prompts(32, (220, 70))
-    ref = [o.tokens for o in p.generate(batch, 16)]
-    pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
-    p.kill()
-    before = failed(d)
-    t0 = time.monotonic()
-    out = d.generate(batch, 16, [o.kv_transfer_params for o in pre])
-    assert [o.tokens for o in out] == ref
-    assert failed(d) - before == 2
-    assert time.monotonic() - t0 < 60
+    for (own,) in closing(
+        start(models, "llama", "faults-own", block_size=64, cpus="1", failure_policy="fail")
+    ):
+        batch = prompts(33, (160, 140))
+        ref = [o.tokens for o in p.generate(batch, 16)]
+        pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+        gone = tamper(
+            pre[1].kv_transfer_params or {}, engine_id="gone2", endpoint="tcp://127.0.0.1:9"
+        )
+        t0 = time.monotonic()
+        out = own.generate(batch, 16, [pre[0].kv_transfer_params, gone])
+        assert time.monotonic() - t0 < 60
+        assert out[0].tokens == ref[0] and out[0].finish_reason == "length"
+        assert out[1].finish_reason == "error" and out[1].tokens == []
+        assert failed(own) == 1
+        # the engine keeps serving P/D requests after the failure
+        more = prompts(34, (90,))
+        assert pd(p, own, more) == [o.tokens for o in p.generate(more, 16)]
+
+        # now `own` is a P that dies after prefill
+        batch = prompts(32, (220, 70))
+        ref = [o.tokens for o in own.generate(batch, 16)]
+        pre = own.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+        own.kill()
+        before = failed(d)
+        t0 = time.monotonic()
+        out = d.generate(batch, 16, [o.kv_transfer_params for o in pre])
+        assert [o.tokens for o in out] == ref
+        assert failed(d) - before == 2
+        assert time.monotonic() - t0 < 60

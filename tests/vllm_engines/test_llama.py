@@ -3,22 +3,19 @@ against a colocated run, a prefix already cached on D, and a scrambled-P control
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+import time
 
 import pytest
 
 from kvbridge.integrations.vllm.harness import Engine, connector_totals, scramble_cache
-from tests.vllm_engines.conftest import closing, pd, prompts, start
+from tests.vllm_engines.conftest import pd, prompts
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def engines(models: Path) -> Iterator[tuple[Engine, ...]]:
-    a = start(models, "llama", "llama-b32", block_size=32, cpus="0")
-    b = start(models, "llama", "llama-b128", block_size=128, cpus="1")
-    yield from closing(a, b)
+def engines(llama_pair: tuple[Engine, ...]) -> tuple[Engine, ...]:
+    return llama_pair
 
 
 def totals(e: Engine) -> dict[str, int]:
@@ -50,6 +47,25 @@ def test_prefix_cached_on_d_moves_only_the_rest(engines: tuple[Engine, ...]) -> 
     assert moved == (399 - 256) * 4 * 2 * 64 * 4 * 2
 
 
+def test_prompt_cached_on_d_releases_p_at_once(engines: tuple[Engine, ...]) -> None:
+    """D's cache already holds the whole prompt: nothing moves, and P frees the request's
+    blocks on its next steps instead of holding them until the lease expires (30 s)."""
+    a, b = engines
+    [full] = prompts(5, (257,))  # D (block 128) caches 256 tokens: all P hands over
+    ref = b.generate([full], 16)[0].tokens
+    before_d, before_p = totals(b), totals(a)
+    pre = a.generate([full], 1, [{"do_remote_decode": True}])
+    assert b.generate([full], 16, [pre[0].kv_transfer_params])[0].tokens == ref
+    after_d = totals(b)
+    assert after_d.get("loads_ok", 0) == before_d.get("loads_ok", 0)
+    assert after_d["releases"] == before_d.get("releases", 0) + 1
+    t0 = time.monotonic()
+    while totals(a).get("leases_done", 0) == before_p.get("leases_done", 0):
+        assert time.monotonic() - t0 < 10, "P still holds the blocks"
+        a.generate([[7, 8, 9]], 1)  # P drains freed leases when it steps
+        time.sleep(0.2)
+
+
 def test_scrambled_p_cache_changes_d_output(engines: tuple[Engine, ...]) -> None:
     """Control: D really uses P's bytes. (Last in the module: it ruins P's cache.)"""
     a, b = engines
@@ -59,4 +75,4 @@ def test_scrambled_p_cache_changes_d_output(engines: tuple[Engine, ...]) -> None
     assert sum(a.rpc(scramble_cache)) >= 1
     out = b.generate(batch, 16, [o.kv_transfer_params for o in pre])
     assert all(o.tokens != r for o, r in zip(out, ref, strict=True))
-    a.reset_prefix_cache()
+    assert a.reset_prefix_cache()

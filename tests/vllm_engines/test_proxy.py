@@ -92,8 +92,9 @@ def test_chat_streaming_equal_colocated(servers: tuple[Server, Server], proxy: s
 
 
 def test_d_server_metrics_show_the_loads(servers: tuple[Server, Server], proxy: str) -> None:
-    """D really loaded from P (a recompute would also give equal text): its /metrics."""
-    _, d = servers
+    """D really loaded from P (a recompute would also give equal text): its /metrics; P
+    counts the leases that ended with every D rank's confirmation."""
+    p, d = servers
     via = openai.OpenAI(base_url=proxy + "/v1", api_key="x")
     via.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
@@ -105,6 +106,10 @@ def test_d_server_metrics_show_the_loads(servers: tuple[Server, Server], proxy: 
     names = sorted({ln.split("{")[0] for ln in kvb})
     assert "vllm:kvbridge_load_stage_seconds_bucket" in names, names
     assert any('stage="transfer"' in ln for ln in kvb), kvb
+    with urllib.request.urlopen(p.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    done = [ln for ln in text.splitlines() if ln.startswith("vllm:kvbridge_leases_total{")]
+    assert any('end="done"' in ln and float(ln.split()[-1]) >= 1 for ln in done), done
 
 
 def test_health_and_metrics(proxy: str) -> None:

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def tp_engines(models: Path) -> Iterator[tuple[Engine, ...]]:
-    one = start(models, "llama", "llama-tp1", block_size=32, cpus="0")
+def tp_engines(models: Path, llama_pair: tuple[Engine, ...]) -> Iterator[tuple[Engine, ...]]:
     two = start(models, "llama", "llama-tp2", tp=2, block_size=64, cpus="0|1")
-    yield from closing(one, two)
+    for (two_,) in closing(two):
+        yield llama_pair[0], two_
 
 
 @pytest.mark.parametrize("direction", ["tp2->tp1", "tp1->tp2"])

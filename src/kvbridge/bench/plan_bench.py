@@ -2,7 +2,8 @@
 
 Geometry is built once per pair (as at handshake); each timed call plans one request
 for one D rank from block tables. Addresses are synthetic: planning touches no memory.
-``plan_us`` is the lowest of 5 batch medians (each batch ≥ 200 warm calls).
+``plan_us`` is the lowest of 5 batch medians (each batch ``calls`` warm calls, 300 by
+default; ``--quick`` 50).
 """
 
 from __future__ import annotations
@@ -118,16 +119,28 @@ def best_median_us(fn: Callable[[], object], calls: int, batches: int = 5) -> fl
     return min(medians)
 
 
-def cases(calls: int = 300) -> list[PlanCase]:
-    out = []
+def cases(
+    calls: int = 300, quick: bool = False, progress: Callable[[str], None] | None = None
+) -> list[PlanCase]:
+    """Every case, ``calls`` timed calls per batch (the 32k-token cases at most 200);
+    ``quick`` leaves those out. ``progress`` gets one line per finished case."""
     l8, l70 = llama(32), llama(80)
-    for shuffled in (False, True):
-        out.append(run_case(l8, 1, 1, "nhd", 1024, shuffled, calls=calls))
-        out.append(run_case(l8, 1, 1, "hnd", 1024, shuffled, calls=calls))
-        out.append(run_case(l8, 1, 2, "hnd", 1024, shuffled, calls=calls))
-        out.append(run_case(l8, 1, 2, "nhd", 1024, shuffled, calls=calls))
-    for shuffled in (False, True):  # last: its large arrays slow later small allocations
-        out.append(run_case(l70, 2, 4, "hnd", 32768, shuffled, calls=200))
+    todo = [
+        (l8, 1, d_tp, layout, 1024, shuffled, calls)
+        for shuffled in (False, True)
+        for d_tp, layout in ((1, "nhd"), (1, "hnd"), (2, "hnd"), (2, "nhd"))
+    ]
+    if not quick:  # last: its large arrays slow later small allocations
+        todo += [(l70, 2, 4, "hnd", 32768, shuffled, min(calls, 200)) for shuffled in (False, True)]
+    out = []
+    for i, (spec, p_tp, d_tp, layout, tokens, shuffled, n) in enumerate(todo, 1):
+        row = run_case(spec, p_tp, d_tp, layout, tokens, shuffled, calls=n)
+        out.append(row)
+        if progress is not None:
+            progress(
+                f"[{i}/{len(todo)}] {row.model} {tokens} tokens TP {p_tp}→{d_tp} {layout} "
+                f"{row.block_ids}: {row.plan_us:.0f} µs, {row.descriptors} descriptors"
+            )
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -137,10 +138,28 @@ def run_case(case: Case, repeats: int = 5) -> dict[str, Any]:
                 proc.kill()
 
 
-def run_all(quick: bool = False) -> list[dict[str, Any]]:
+def run_all(
+    quick: bool = False, progress: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    """Every case (``quick``: 1024 tokens only); ``progress`` gets a line per case."""
+    todo = [
+        Case(layout, p_tp, d_tp, tokens, ids)
+        for tokens in ((1024,) if quick else (1024, 8192))
+        for layout, p_tp, d_tp in (("nhd", 1, 1), ("hnd", 1, 2), ("block-major", 1, 1))
+        for ids in ("consecutive", "shuffled")
+    ]
     rows = []
-    for tokens in (1024,) if quick else (1024, 8192):
-        for layout, p_tp, d_tp in (("nhd", 1, 1), ("hnd", 1, 2), ("block-major", 1, 1)):
-            for ids in ("consecutive", "shuffled"):
-                rows.append(run_case(Case(layout, p_tp, d_tp, tokens, ids)))
+    for i, case in enumerate(todo, 1):
+        rows.append(run_case(case))
+        if progress is not None:
+            progress(f"[{i}/{len(todo)}] {_describe(case)}: {_figures(rows[-1])}")
     return rows
+
+
+def _describe(case: Case) -> str:
+    return f"{case.tokens} tokens TP {case.p_tp}→{case.d_tp} {case.layout} {case.block_ids}"
+
+
+def _figures(row: dict[str, Any]) -> str:
+    keys = ("gbps", "contiguous_gbps", "memcpy_gbps")
+    return f"{row['descriptors']} descriptors, " + ", ".join(f"{k} {row[k]}" for k in keys)

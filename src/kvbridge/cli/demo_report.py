@@ -28,6 +28,11 @@ class Row:
     def gb_per_s(self) -> float:
         return self.bytes / (self.transfer_ms * 1e6) if self.transfer_ms > 0 else 0.0
 
+    @property
+    def latency_bound(self) -> bool:
+        """Too few bytes for bandwidth to matter: the time is the round trip."""
+        return self.bytes < LATENCY_BOUND
+
 
 @dataclass(frozen=True, slots=True)
 class Summary:
@@ -44,7 +49,20 @@ class Summary:
         return all(r.output_matches for r in self.rows)
 
 
-HEADER = ("request", "prompt", "cached", "bytes", "descriptors", "B/desc", "ms", "GB/s", "output")
+LATENCY_BOUND = 1 << 20
+"""Transfers below this many bytes take about one round trip whatever their size (the
+load, the lease, the completion notification): their GB/s says little."""
+HEADER = (
+    "request",
+    "prompt",
+    "cached",
+    "bytes",
+    "descriptors",
+    "B/desc",
+    "latency ms",
+    "GB/s",
+    "output",
+)
 
 
 def render_text(s: Summary) -> str:
@@ -54,9 +72,18 @@ def render_text(s: Summary) -> str:
     matched = sum(r.output_matches for r in s.rows)
     lines.append(
         f"{matched} of {len(s.rows)} outputs equal the colocated run "
-        f"({s.new_tokens} tokens each); {s.wall_s:.1f} s in all; "
-        f"ms: load to lease confirmed, slowest D rank (the first includes the handshake)"
+        f"({s.new_tokens} tokens each); {s.wall_s:.1f} s in all"
     )
+    lines.append(
+        "latency ms: load to lease confirmed, slowest D rank (the first includes the "
+        "handshake); GB/s = bytes / latency"
+    )
+    if any(r.latency_bound for r in s.rows):
+        lines.append(
+            f"* under {human(LATENCY_BOUND)}: latency-bound, the time is the round trip "
+            f"(load, lease, notification), not the bandwidth; `kvbridge bench transfer` "
+            f"measures bandwidth"
+        )
     return "\n".join(lines)
 
 
@@ -73,13 +100,16 @@ def _cells(r: Row) -> tuple[str, ...]:
         str(r.descriptors),
         per_desc,
         f"{r.transfer_ms:.1f}",
-        f"{r.gb_per_s:.2g}",
+        f"{r.gb_per_s:.2g}" + ("*" if r.latency_bound else ""),
         verdict,
     )
 
 
 def render_json(s: Summary) -> dict[str, Any]:
-    requests = [{**asdict(r), "gb_per_s": round(r.gb_per_s, 6)} for r in s.rows]
+    requests = [
+        {**asdict(r), "gb_per_s": round(r.gb_per_s, 6), "latency_bound": r.latency_bound}
+        for r in s.rows
+    ]
     return {
         "preset": s.preset,
         "prefill": s.prefill,

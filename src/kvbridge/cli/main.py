@@ -3,6 +3,10 @@
 Exit codes: 0 success, 1 a failed check (e.g. demo mismatch), 2 bad input.
 """
 
+# A command module imports only argparse and kvbridge.cli.args at the top: building the
+# parser must stay cheap (``kvbridge --help`` loads no numpy, torch, vllm or aiohttp);
+# each ``run`` imports what its work needs.
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a flag's value refused (argparse printed why)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args.run(args))
     except KVBridgeError as e:

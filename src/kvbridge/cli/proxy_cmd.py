@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvbridge.cli.args import port
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -29,16 +31,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a D server (repeat for several)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--port", type=port, default=8000, help="port to bind (default 8000)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.errors import ConfigError
     from kvbridge.serve.proxy import run as serve
 
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port {args.port}: expected 1..65535")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serve(args.prefill, args.decode, args.host, args.port)
     return 0

@@ -148,6 +148,17 @@ class Consumer:
             self._loads[handle.request_id] = job
         self._pool.submit(self._run, job)
 
+    def release(self, handle: TransferHandle) -> None:
+        """Tell P this rank needs none of ``handle``'s blocks (D computed or cached them
+        itself), so P frees them once every D rank has said so, not at lease expiry."""
+        self._pool.submit(self._release, _Load(handle, [], 0))
+
+    def _release(self, job: _Load) -> None:
+        try:
+            self._lease(self.peers.get(job.handle), job, "confirm")
+        except KVBridgeError as e:
+            log.warning("release of %s at P failed: %s", job.handle.request_id, e)
+
     def poll(self) -> list[Outcome]:
         with self._lock:
             out, self._done = self._done, []

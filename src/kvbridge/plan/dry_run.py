@@ -72,7 +72,7 @@ def dry_run(
     d_par = Parallel(d.tp, d.pp, info.stages(d.pp))
     p_spec = info.spec.with_block_sizes(p.block)
     d_spec = info.spec.with_block_sizes(d.block)
-    pool = max(_pool_size(p_spec, tokens), _pool_size(d_spec, tokens))
+    pool = max(pool_size(p_spec, tokens), pool_size(d_spec, tokens))
     rng = np.random.default_rng(shuffle_seed)
     shuffle = shuffle_seed is not None
     p_tables = _tables(p_spec, tokens, pool, rng, shuffle)
@@ -96,7 +96,7 @@ def _needs(spec: ModelSpec, tokens: int) -> list[int]:
     ]
 
 
-def _pool_size(spec: ModelSpec, tokens: int) -> int:
+def pool_size(spec: ModelSpec, tokens: int) -> int:
     return sum(_needs(spec, tokens))
 
 

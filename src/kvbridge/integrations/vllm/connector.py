@@ -113,8 +113,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         if self.worker is None:  # vLLM asks the scheduler's instance too
             return None
-        loads = self.worker.take_observed()
-        return KVBridgeStats(data={"loads": loads}) if loads else None
+        loads, events = self.worker.take_observed()
+        return KVBridgeStats(data={"loads": loads, "events": events}) if loads or events else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:

@@ -45,6 +45,7 @@ class EngineConfig:
 class Output:
     tokens: list[int]
     kv_transfer_params: dict[str, Any] | None
+    finish_reason: str | None = None
 
 
 class EngineError(KVBridgeError):
@@ -183,7 +184,10 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
         for p in params
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-    return [Output(list(o.outputs[0].token_ids), o.kv_transfer_params) for o in outs]
+    return [
+        Output(list(o.outputs[0].token_ids), o.kv_transfer_params, o.outputs[0].finish_reason)
+        for o in outs
+    ]
 
 
 def connector_totals(worker: Any) -> dict[str, int]:

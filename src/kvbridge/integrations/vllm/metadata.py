@@ -29,10 +29,13 @@ class LoadJob:
 
 @dataclass
 class StepMeta(KVConnectorMetadata):
-    """Scheduler → workers, once per step: loads to start, P requests freed."""
+    """Scheduler → workers, once per step: loads to start, P requests freed, and handles
+    whose blocks D does not need (its own cache holds the whole prompt) to release at P."""
 
     loads: list[LoadJob] = field(default_factory=list)
-    freed: list[str] = field(default_factory=list)
+    freed: list[tuple[str, str]] = field(default_factory=list)
+    """``(P request id, how its lease ended: done, expired or aborted)``"""
+    releases: list[str] = field(default_factory=list)
 
 
 @dataclass

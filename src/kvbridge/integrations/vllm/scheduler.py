@@ -49,6 +49,7 @@ class SchedulerSide:
         self.cfg, self.cache = cfg, cache
         self.producer: Producer | None = None
         self._loads: list[LoadJob] = []
+        self._releases: list[str] = []
         self._started: set[str] = set()
 
     # --- P ---------------------------------------------------------------------------
@@ -110,7 +111,13 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
-        if num_external <= 0 or text is None or not self.cfg.consumer:
+        if text is None or not self.cfg.consumer or request.request_id in self._started:
+            return
+        if num_external <= 0:
+            # D's own cache holds the prompt: P may free the request's blocks now rather
+            # than at lease expiry
+            self._started.add(request.request_id)
+            self._releases.append(str(text))
             return
         n, _ = self.matched_tokens(request, 0)
         tables = self.cache.state_tables([list(map(int, g)) for g in blocks.get_block_ids()], n)
@@ -119,13 +126,12 @@ class SchedulerSide:
 
     # --- both ------------------------------------------------------------------------
     def step_meta(self) -> StepMeta:
-        freed = [f.request_id for f in self.producer.freed()] if self.producer else []
-        meta = StepMeta(self._loads, freed)
-        self._loads = []
+        freed = (
+            [(f.request_id, f.reason.value) for f in self.producer.freed()] if self.producer else []
+        )
+        meta = StepMeta(self._loads, freed, self._releases)
+        self._loads, self._releases = [], []
         return meta
-
-    def has_pending(self) -> bool:
-        return self.producer is not None and self.producer.leases.held() > 0
 
     def close(self) -> None:
         if self.producer is not None:

@@ -9,6 +9,10 @@ Prometheus form (:class:`KVBridgePromMetrics`, on the server's ``/metrics``)::
     vllm:kvbridge_load_seconds                  load time, queue to verified (histogram)
     vllm:kvbridge_load_stage_seconds{stage}     queue, handshake, lease, plan, post,
                                                 transfer, verify (histogram)
+    vllm:kvbridge_leases_total{end}             P: leases ended (done: every D rank
+                                                confirmed; expired; aborted)
+    vllm:kvbridge_releases_total                D: handles released unread (the prompt
+                                                was cached whole on D)
 """
 
 from __future__ import annotations
@@ -40,16 +44,23 @@ def observation(out: Outcome) -> dict[str, Any]:
 
 @dataclass
 class KVBridgeStats(KVConnectorStats):
-    """``data = {"loads": [observation, ...]}`` since the last report."""
+    """``data = {"loads": [observation, ...], "events": {name: count}}`` since the last
+    report; events are ``lease_done``, ``lease_expired``, ``lease_aborted``, ``release``."""
 
     def __post_init__(self) -> None:
         self.data.setdefault("loads", [])
+        self.data.setdefault("events", {})
 
     def reset(self) -> None:
-        self.data = {"loads": list[dict[str, Any]]()}
+        fresh: dict[str, Any] = {"loads": [], "events": {}}
+        self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         self.data["loads"] = self.data["loads"] + list(other.data.get("loads", []))
+        events = dict(self.data["events"])
+        for k, n in other.data.get("events", {}).items():
+            events[k] = events.get(k, 0) + n
+        self.data["events"] = events
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -62,10 +73,11 @@ class KVBridgeStats(KVConnectorStats):
             "MiB": round(sum(o["bytes"] for o in ok) / 2**20, 3),
             "descriptors": sum(o["descriptors"] for o in ok),
             "median_load_ms": round(secs[len(secs) // 2] * 1e3, 3),
+            **{k: int(n) for k, n in sorted(self.data["events"].items())},
         }
 
     def is_empty(self) -> bool:
-        return not self.data["loads"]
+        return not self.data["loads"] and not self.data["events"]
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
@@ -104,9 +116,24 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             buckets=_BUCKETS,
             labelnames=[*labelnames, "stage"],
         )
+        self.leases = c(
+            name="vllm:kvbridge_leases",
+            documentation="P: leases ended (done, expired, aborted).",
+            labelnames=[*labelnames, "end"],
+        )
+        self.releases = c(
+            name="vllm:kvbridge_releases",
+            documentation="D: handles released unread (prompt cached whole on D).",
+            labelnames=labelnames,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         lv = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for name, n in transfer_stats_data.get("events", {}).items():
+            if name.startswith("lease_"):
+                self.leases.labels(*lv, name.removeprefix("lease_")).inc(n)
+            elif name == "release":
+                self.releases.labels(*lv).inc(n)
         for o in transfer_stats_data.get("loads", []):
             self.loads.labels(*lv, "ok" if o["ok"] else "failed").inc()
             if not o["ok"]:

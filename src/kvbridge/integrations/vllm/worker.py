@@ -39,6 +39,8 @@ class WorkerSide:
         self._failed: list[Outcome] = []
         self.observed: list[dict[str, object]] = []
         """Loads finished since vLLM last asked for stats (see stats.py)."""
+        self.events: Counter[str] = Counter()
+        """Lease ends (P) and releases (D) since vLLM last asked for stats."""
         self.totals: Counter[str] = Counter()
         """Loads ok / failed, bytes and descriptors moved, since start."""
 
@@ -69,7 +71,19 @@ class WorkerSide:
         return RankMeta(encode_info(self.producer.info)) if self.producer else None
 
     def start(self, meta: StepMeta) -> None:
-        self._sent.update(meta.freed)
+        for request_id, ended in meta.freed:
+            self._sent.add(request_id)
+            self.totals[f"leases_{ended}"] += 1
+            if self.rank == 0:  # every rank sees the same lease; count it once
+                self.events[f"lease_{ended}"] += 1
+        for text in meta.releases:
+            try:
+                if self.consumer is not None:
+                    self.consumer.release(decode_handle(text))
+                    self.totals.update(releases=1)
+                    self.events["release"] += 1
+            except KVBridgeError as e:  # P frees the blocks at lease expiry instead
+                log.warning("kvbridge: cannot release a handle at P: %s", e)
         for job in meta.loads:
             try:
                 if self.consumer is None:
@@ -101,13 +115,22 @@ class WorkerSide:
             )
             self.observed.append(observation(out))
             if not out.ok:
-                log.error("kvbridge: load of request %s failed: %s", out.request_id, out.error)
+                stages = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in out.stages.items())
+                log.error(
+                    "kvbridge: load of request %s failed after %.2f s (%s): %s",
+                    out.request_id,
+                    out.seconds,
+                    stages or "no stage reached",
+                    out.error,
+                )
         sent, self._sent = self._sent, set()
         return sent, {o.request_id for o in done}, {o.request_id for o in done if not o.ok}
 
-    def take_observed(self) -> list[dict[str, object]]:
-        out, self.observed = self.observed, []
-        return out
+    def take_observed(self) -> tuple[list[dict[str, object]], dict[str, int]]:
+        """Loads finished and events counted since the last call."""
+        out, events = self.observed, dict(self.events)
+        self.observed, self.events = [], Counter()
+        return out, events
 
     def close(self) -> None:
         if self.consumer is not None:
