@@ -13,16 +13,28 @@ KV head, K **transposed** then V (measured by writing known keys through
 so K is described with axes ``BHDT`` (a head's elements a block apart) and V ``BHTD``.
 Layers of different groups may alias one allocation (vLLM gives a block id to one group
 at a time), so the regions are the storages, and every group shares one pool of ids.
+
+Mamba-2 and Gated DeltaNet layers (``MambaSpec``, one group per layer position) keep, per
+block of the same pool (the page padded to the attention page), two tensors: the conv
+state ``[kernel-1, channels]`` (layout ``SD``, vLLM's CPU default with this connector;
+``[channels, kernel-1]`` under ``VLLM_SSM_CONV_STATE_LAYOUT=DS``) whose channels are the
+TP rank's shards ``x|B|C`` (Mamba-2) or ``q|k|v`` (GDN), then the SSM / recurrent state
+``[heads, …]`` at the page offset right after it. They are kvbridge state groups (one slot
+per request): with prefix caching (``mamba_cache_mode="align"``) a request that computed
+``n`` tokens keeps its running state in block ``(n-1) // block_size`` of its Mamba block
+table (earlier entries are null or checkpoints); without it (``"none"``) in block 0.
+:meth:`VllmCache.state_tables` picks that slot on P and on D.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.state import conv_dim_first, state_descs, state_layer, state_views
 from kvbridge.layout.tensor import RegionSet, TensorDesc, tensor_views
 from kvbridge.layout.view import RankLayout, View
 from kvbridge.spec.build import attention
@@ -50,6 +62,30 @@ class VllmCache:
     par: Parallel
     layer_names: dict[str, int]
     """vLLM attention layer name → kvbridge layer index."""
+    state_blocks: dict[int, int] = field(default_factory=dict)
+    """Spec group index → vLLM block size (tokens per block) of each Mamba group."""
+    state_mode: str = "none"
+    """vLLM's ``mamba_cache_mode`` (``"align"`` with prefix caching, ``"none"`` without)."""
+    conv_dim_first: bool = False
+    """Conv state stored ``[channels, kernel-1]`` (vLLM's ``DS``) rather than ``SD``."""
+    state_shapes: dict[int, tuple[tuple[tuple[int, ...], ...], tuple[Any, ...]]] = field(
+        default_factory=dict
+    )
+    """Mamba layer index → vLLM's per-rank state ``(shapes, dtypes)`` (conv, then SSM)."""
+
+    def state_tables(self, tables: list[list[int]], n_computed: int) -> list[list[int]]:
+        """vLLM's per-group block lists with each Mamba group cut to its one state slot:
+        the block holding the running state after ``n_computed`` tokens. A group whose
+        slot is missing (a null block, a short list) gets an empty table, which the plan
+        refuses: that request fails alone, by policy, as vLLM wants for Mamba groups."""
+        if not self.state_blocks:
+            return tables
+        out = list(tables)
+        for g, bs in self.state_blocks.items():
+            i = 0 if self.state_mode == "none" else max(n_computed - 1, 0) // bs
+            tab = tables[g] if g < len(tables) else []
+            out[g] = [tab[i]] if i < len(tab) and tab[i] != 0 else []
+        return out
 
 
 def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
@@ -59,24 +95,37 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     if par.pp != 1:
         raise ConfigError(f"pipeline_parallel_size {par.pp}: the vLLM connector supports PP 1")
     kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    dim_first = conv_dim_first()
     layers: dict[int, Layer] = {}
-    groups, names = [], {}
+    groups, names, state_blocks, state_shapes = [], {}, {}, {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         cs = group.kv_cache_spec
         idx = []
         for name in group.layer_names:
             i = layer_index(name)
-            layers[i] = _layer(i, cs, kv_heads)
+            if type(cs).__name__ == "MambaSpec":
+                layers[i] = state_layer(i, cs, par.tp, dim_first)
+                shapes = tuple(tuple(int(x) for x in sh) for sh in cs.shapes)
+                state_shapes[i] = (shapes, tuple(cs.dtypes))
+            else:
+                layers[i] = _layer(i, cs, kv_heads)
             names[name] = i
             idx.append(i)
-        groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
+        if type(cs).__name__ == "MambaSpec":
+            state_blocks[g] = cs.block_size
+            groups.append(Group(f"g{g}", tuple(idx), 1))
+        else:
+            groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
     n = max(layers) + 1
     all_layers = tuple(layers.get(i, Layer(i, Kind.FULL, ())) for i in range(n))
     spec = ModelSpec(
         vllm_config.model_config.served_model_name or "model", all_layers, tuple(groups)
     )
     spec.check_tp(par.tp)
-    return VllmCache(spec, par, names)
+    mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
+    if state_blocks and mode not in ("none", "align"):
+        raise ConfigError(f"mamba_cache_mode {mode!r}: the vLLM connector supports none, align")
+    return VllmCache(spec, par, names, state_blocks, mode, dim_first, state_shapes)
 
 
 def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
@@ -109,14 +158,20 @@ def cpu_layout(
     """The layout of vLLM's CPU attention tensors on ``tp_rank``; returns it and region bases."""
     regions = RegionSet()
     for t in kv_caches.values():
-        st = t.untyped_storage()
-        regions.add(st.data_ptr(), st.nbytes())
+        for x in t if isinstance(t, (list, tuple)) else [t]:
+            st = x.untyped_storage()
+            regions.add(st.data_ptr(), st.nbytes())
     views: list[View] = []
     spec = cache.spec
     for name, t in kv_caches.items():
         i = cache.layer_names.get(name)
         if i is None:
             raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
+        if spec.layers[i].kind is Kind.STATE:
+            shapes, dtypes = cache.state_shapes[i]
+            descs = state_descs(name, t, shapes, dtypes, cache.conv_dim_first)
+            views += state_views(spec.layers[i], name, descs, cache.par.tp, tp_rank, regions)
+            continue
         heads = _heads(spec, i, cache.par, tp_rank)
         k, v = _cpu_attn_descs(name, t)
         views += tensor_views(i, k, ("k",), heads, regions)
@@ -163,7 +218,9 @@ def check_cpu_kernel(vllm_config: Any, cache: VllmCache) -> None:
     """Refuse a cache written by a CPU kernel whose layout kvbridge has not verified."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    for g in cache.spec.groups:
+    for gi, g in enumerate(cache.spec.groups):
+        if cache.spec.is_state_group(gi):
+            continue
         lay = cache.spec.layers[g.layers[0]]
         head = lay.streams[0].segments[0].unit_bytes // lay.streams[0].dtype.itemsize
         isa = _get_attn_isa(

@@ -210,3 +210,27 @@ def scramble_cache(worker: Any) -> int:
                 x.normal_()
                 n += 1
     return n
+
+
+def scramble_state(worker: Any, blocks: list[int]) -> tuple[int, int]:
+    """For :meth:`Engine.rpc` (through ``functools.partial``): overwrite the Mamba /
+    linear-attention state (conv and SSM tensors) in vLLM blocks ``blocks`` of one worker
+    with noise. Layers of different groups alias one buffer in vLLM's hybrid allocator, so
+    only blocks that a state group owns may be named: attention blocks keep their bytes.
+    Returns (state layers, distinct buffers) touched."""
+    import torch
+
+    layers, seen = 0, set()
+    idx = torch.tensor(sorted(set(blocks)), dtype=torch.long)
+    for layer in worker.model_runner.compilation_config.static_forward_context.values():
+        kv = getattr(layer, "kv_cache", None)
+        flat: list[Any] = []
+        for x in kv if isinstance(kv, (list, tuple)) else []:
+            flat += list(x) if isinstance(x, (list, tuple)) else [x]
+        if len(flat) < 2:  # attention layers hold one tensor; state layers conv + SSM
+            continue
+        layers += 1
+        for x in flat:
+            seen.add(x.untyped_storage().data_ptr())
+            x[idx] = torch.randn(x[idx].shape, dtype=torch.float32).to(x.dtype)
+    return layers, len(seen)

