@@ -48,7 +48,7 @@ def raw_call(endpoint: str, frame: bytes) -> Message:
 
 
 class World:
-    def __init__(self, lease_s: float = 30.0, p_tp: int = 2, d_tp: int = 1):
+    def __init__(self, lease_s: float = 30.0, p_tp: int = 2, d_tp: int = 1, timeout_s: float = 5.0):
         self.rng = np.random.default_rng(7)
         self.p = Side(SPEC, Parallel(p_tp), "hnd", 32)
         self.d = Side(SPEC.with_block_sizes(8), Parallel(d_tp), "block-major", 64)
@@ -70,7 +70,7 @@ class World:
                 list(self.d.bound(r).bases),
                 LoopbackTransport(f"d{r}", self.fabric),
                 SECRET,
-                transfer_timeout_s=5,
+                transfer_timeout_s=timeout_s,
             )
             for r in range(d_tp)
         ]
@@ -152,6 +152,28 @@ def test_lapsed_lease_is_reported_failed_never_successful():
         assert out.failed_blocks[0] == d_tabs[0]
         assert [f.reason for f in w.producer.freed()] == [LeaseState.EXPIRED]
     finally:
+        w.close()
+
+
+def test_a_silent_p_fails_the_load_within_the_consumers_timeout():
+    w = World(timeout_s=0.5)
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        handle, d_tabs = w.request("h", 30)
+        ghost = msgspec.structs.replace(
+            handle, engine_id="ghost", endpoint=f"tcp://127.0.0.1:{port}"
+        )
+        t0 = time.monotonic()
+        w.consumers[0].load(ghost, d_tabs)
+        (out,) = w.wait(timeout=4)
+        took = time.monotonic() - t0
+        assert not out.ok and "no reply within 500 ms" in out.error, out.error
+        assert took < 3, took  # the handshake waited the consumer's 0.5 s, not 5 s
+    finally:
+        silent.close()
         w.close()
 
 

@@ -130,7 +130,9 @@ class Consumer:
         self.metadata = transport.register(regions)
         self._notifs: set[bytes] = set()
         bound = Bound(layout, tuple(bases))
-        self.peers = PeerCache(engine_id, spec, par, rank, bound, transport, secret)
+        self.peers = PeerCache(
+            engine_id, spec, par, rank, bound, transport, secret, timeout_s=transfer_timeout_s
+        )
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}

@@ -25,6 +25,7 @@ class Peer:
     geometry: Geometry
     endpoints: dict[int, str]
     secret: bytes
+    timeout_s: float = 5.0
     clients: dict[int, Client] = field(default_factory=dict)
 
     def rank_client(self, rank: int) -> Client:
@@ -32,7 +33,7 @@ class Peer:
         if not self.endpoints.get(rank):
             raise PeerError(f"P rank {rank} of {self.engine_id!r} serves no push channel")
         if rank not in self.clients:
-            self.clients[rank] = Client(self.endpoints[rank], self.secret)
+            self.clients[rank] = Client(self.endpoints[rank], self.secret, self.timeout_s)
         return self.clients[rank]
 
 
@@ -46,7 +47,10 @@ class PeerCache:
         bound: Bound,
         transport: Transport,
         secret: bytes,
+        timeout_s: float = 5.0,
     ):
+        """``timeout_s`` bounds each side-channel call to a P (handshake, lease, push)."""
+        self.timeout_s = timeout_s
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.bound, self.transport, self.secret = bound, transport, secret
         self._lock = threading.Lock()
@@ -69,7 +73,7 @@ class PeerCache:
             return peer
 
     def _handshake(self, handle: TransferHandle) -> Peer:
-        client = Client(handle.endpoint, self.secret)
+        client = Client(handle.endpoint, self.secret, self.timeout_s)
         reply = client.call(Handshake(PROTOCOL_VERSION, self.engine_id))
         if not isinstance(reply, HandshakeReply):
             raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
@@ -94,7 +98,16 @@ class PeerCache:
             if info.rank in {pc for pc in _sources(geometry)}:
                 agents[info.rank] = self.transport.add_peer(info.agent)
         endpoints = {info.rank: info.endpoint for info in reply.ranks}
-        return Peer(reply.engine_id, reply.epoch, client, agents, geometry, endpoints, self.secret)
+        return Peer(
+            reply.engine_id,
+            reply.epoch,
+            client,
+            agents,
+            geometry,
+            endpoints,
+            self.secret,
+            self.timeout_s,
+        )
 
     def _forget(self, peer: Peer) -> None:
         for name in peer.agents.values():

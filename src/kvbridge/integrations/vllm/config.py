@@ -6,7 +6,8 @@
     host        address P's side channel binds and advertises (default 127.0.0.1)
     port        its port (default 0: any free port)
     lease_s     how long P holds a prefilled request's blocks for D (default 30)
-    timeout_s   D's deadline for one request's transfer (default 10)
+    timeout_s   D's deadline for one request's transfer and for each side-channel call
+                to P (handshake, lease, push; default 10)
 """
 
 from __future__ import annotations
