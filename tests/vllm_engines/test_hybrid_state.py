@@ -1,6 +1,7 @@
 """Recurrent state in real vLLM: a Granite-4.0-H-style hybrid (3 Mamba-2 layers + 1
 attention layer, fp32, random real weights), P and D as separate engines with different
-block sizes, token for token against a colocated run; the bytes moved are exactly the
+block sizes, token for token against a colocated run (and a tiny Qwen3-Next, 3 Gated
+DeltaNet layers + 1 attention layer, bf16, block 256); the bytes moved are exactly the
 attention tokens plus one state slot per Mamba layer; a control that scrambles only P's
 Mamba state slots (not the attention blocks) changes D's output; a request whose handle
 lacks a state slot fails alone and is recomputed by policy.
@@ -110,4 +111,63 @@ def test_scrambled_p_state_changes_d_output(granite: tuple[Engine, ...]) -> None
     layers, _ = p.rpc(functools.partial(scramble_state, blocks=slots))[0]
     assert layers == 3
     out = d.generate(batch, 16, [o.kv_transfer_params for o in pre])
+    assert all(o.tokens != r for o, r in zip(out, ref, strict=True))
+
+
+# tiny qwen3next (models.py): attention 1 layer × 2 KV heads × 64; Gated DeltaNet 3 layers,
+# 2 key heads and 4 value heads of 64, conv kernel 4 (conv channels q|k|v = 512); all bf16
+Q3N_ATTN_TOKEN_BYTES = 1 * 2 * 64 * 2 * 2
+Q3N_STATE_BYTES = 3 * ((4 - 1) * 512 + 4 * 64 * 64) * 2
+
+
+@pytest.fixture(scope="module")
+def qwen3next(models: Path) -> Iterator[tuple[Engine, ...]]:
+    """Two bf16 engines (vLLM's CPU GDN kernel takes bf16 only; it raises the attention
+    block to 256); ``b`` prefills in steps of at most 256 tokens."""
+    kw = {"prefix_caching": False, "dtype": "bfloat16", "block_size": 256}
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(start, models, "qwen3next", "q3n-a", cpus="0", **kw)
+        b = pool.submit(
+            start, models, "qwen3next", "q3n-b", cpus="1", max_num_batched_tokens=256, **kw
+        )
+        engines = (a.result(), b.result())
+    yield from closing(*engines)
+
+
+@pytest.mark.parametrize("direction", ["a->b", "b->a"])
+def test_qwen3next_token_exact(qwen3next: tuple[Engine, ...], direction: str) -> None:
+    """In bf16 the GDN output depends on where a prefill is cut (measured: a 65-token
+    prompt computed as 65 tokens, or as 64 then 1 as P/D does, gives outputs that part
+    after ~11 tokens, with or without a transfer). The reference therefore cuts where P/D
+    does: 257-token prompts, which P prefills as 256 and D finishes with 1, and which
+    ``b`` colocated, one prompt per step, prefills as 256 then 1."""
+    a, b = qwen3next
+    p, d = (a, b) if direction == "a->b" else (b, a)
+    batch = prompts(50 + len(direction) + (p is b), (257,) * 4)
+    ref = [b.generate([x], 16)[0].tokens for x in batch]
+    before = totals(d)
+    assert pd(p, d, batch) == ref
+    after = totals(d)
+    assert after["loads_ok"] - before.get("loads_ok", 0) == len(batch)
+    assert after.get("loads_failed", 0) == before.get("loads_failed", 0)
+    want = sum((len(x) - 1) * Q3N_ATTN_TOKEN_BYTES + Q3N_STATE_BYTES for x in batch)
+    assert after["bytes"] - before.get("bytes", 0) == want
+
+
+def test_qwen3next_scrambled_p_state_changes_d_output(qwen3next: tuple[Engine, ...]) -> None:
+    """Control: only the GDN state slots P's handles name are overwritten on P."""
+    a, b = qwen3next
+    # which groups are GDN: a 300-token prompt takes 2 attention blocks, a GDN group 1 slot
+    (probe,) = a.generate(prompts(55, (300,)), 1, [{"do_remote_decode": True}])
+    state = [g for g, t in enumerate(handle_tables(probe.kv_transfer_params)) if len(t) == 1]
+    assert len(state) == 3
+    batch = prompts(56, (257,) * 3)
+    ref = [b.generate([x], 16)[0].tokens for x in batch]
+    pre = a.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+    tables = [handle_tables(o.kv_transfer_params) for o in pre]
+    slots = [t[g][0] for t in tables for g in state]
+    assert len(set(slots)) == 9
+    layers, _ = a.rpc(functools.partial(scramble_state, blocks=slots))[0]
+    assert layers == 3
+    out = b.generate(batch, 16, [o.kv_transfer_params for o in pre])
     assert all(o.tokens != r for o, r in zip(out, ref, strict=True))

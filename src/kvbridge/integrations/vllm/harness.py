@@ -39,6 +39,8 @@ class EngineConfig:
     failure_policy: str = "recompute"
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the engine process (e.g. NixlConnector's side-channel port)."""
+    max_num_batched_tokens: int | None = None
+    """vLLM's per-step token budget (a prompt longer than it is prefilled in chunks)."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,11 @@ def _make_llm(cfg: EngineConfig) -> Any:
         enable_prefix_caching=cfg.prefix_caching,
         kv_transfer_config=kv,
         distributed_executor_backend="mp" if cfg.tp > 1 else None,
+        **(
+            {"max_num_batched_tokens": cfg.max_num_batched_tokens}
+            if cfg.max_num_batched_tokens
+            else {}
+        ),
     )
 
 

@@ -63,6 +63,23 @@ TINY: dict[str, dict[str, Any]] = {
         "position_embedding_type": "nope",
         "embedding_multiplier": 1.0,
     },
+    # Qwen3-Next: Gated DeltaNet layers and one full-attention layer, sparse MoE (bf16 only
+    # on vLLM's CPU GDN kernel). GDN: 2 key heads and 4 value heads of 64, conv kernel 4.
+    "qwen3next": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256,
+        "decoder_sparse_step": 1,
+    },
 }
 """Tiny configurations by name; each is ``_BASE`` plus these fields."""
 
