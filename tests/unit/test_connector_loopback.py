@@ -281,3 +281,22 @@ def test_p_with_another_model_is_refused(world):
         assert not out.ok and "IncompatibleError" in out.error and "differs" in out.error
     finally:
         producer.close()
+
+
+def test_p_serving_another_model_of_the_same_shapes_is_refused(world):
+    """Same KV shapes (same compat hash), another model id: no byte moves."""
+    before = [b.copy() for b in world.d.bufs[0]]
+    producer = Producer("P3", SPEC, world.p.par, SECRET, model_id="qwen3-tiny")
+    try:
+        for r in range(world.p.par.world):
+            agent = LoopbackTransport(f"p3-{r}", world.fabric)
+            bases = list(world.p.bound(r).bases)
+            producer.add_rank(ProducerWorker(r, world.p.layouts[r], bases, agent).info)
+        handle = producer.prefill_done("m", random_tables(SPEC, 40, 32, world.rng), 40)
+        world.consumers[0].load(handle, random_tables(world.d.spec, 40, 64, world.rng))
+        (out,) = world.wait()
+        assert not out.ok and "IncompatibleError" in out.error, out.error
+        assert "'qwen3-tiny'" in out.error and "model" in out.error
+        assert all(np.array_equal(a, b) for a, b in zip(before, world.d.bufs[0], strict=True))
+    finally:
+        producer.close()

@@ -25,8 +25,9 @@ SECRET = {"secret": "kvbridge-tests", "timeout_s": 10.0, "lease_s": 30.0}
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = Path(os.environ.get("KVBRIDGE_TINY_MODELS", "")) or tmp_path_factory.mktemp("models")
-    return root
+    # an unset variable must not become Path("") == Path("."): models would land in the cwd
+    env = os.environ.get("KVBRIDGE_TINY_MODELS")
+    return Path(env) if env else tmp_path_factory.mktemp("models")
 
 
 @pytest.fixture(scope="session")

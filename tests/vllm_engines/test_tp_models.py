@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm.harness import Engine
+from kvbridge.integrations.vllm.harness import Engine, connector_totals
 from tests.vllm_engines.conftest import closing, pd, prompts, start
 
 pytestmark = pytest.mark.vllm
@@ -31,7 +31,9 @@ def test_tp_token_exact(tp_engines: tuple[Engine, ...], direction: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "p_block", "d_block"), [("qwen3", 128, 32), ("gemma3", 32, 128)])
-def test_model_token_exact(models: Path, name: str, p_block: int, d_block: int) -> None:
+def test_model_token_exact(
+    models: Path, llama_pair: tuple[Engine, ...], name: str, p_block: int, d_block: int
+) -> None:
     for engines in closing(
         start(models, name, f"{name}-p", block_size=p_block, cpus="0"),
         start(models, name, f"{name}-d", block_size=d_block, cpus="1"),
@@ -44,3 +46,15 @@ def test_model_token_exact(models: Path, name: str, p_block: int, d_block: int) 
         back = prompts(21, (250, 97))  # and the other way
         ref_back = [o.tokens for o in d.generate(back, 16)]
         assert pd(d, p, back) == ref_back
+        # a handle from this model's P given to a Llama D: refused by the model hash at
+        # the handshake (a typed IncompatibleError), recomputed, and D keeps serving
+        llama_d = llama_pair[0]
+        (pre,) = p.generate(prompts(22, (150,)), 1, [{"do_remote_decode": True}])
+        wrong = prompts(22, (150,))
+        before = llama_d.rpc(connector_totals)[0]
+        out = llama_d.generate(wrong, 16, [pre.kv_transfer_params])
+        assert [o.tokens for o in out] == [o.tokens for o in llama_d.generate(wrong, 16)]
+        after = llama_d.rpc(connector_totals)[0]
+        failed = after.get("failed_IncompatibleError", 0)
+        assert failed - before.get("failed_IncompatibleError", 0) == 1
+        assert after.get("loads_ok", 0) == before.get("loads_ok", 0)

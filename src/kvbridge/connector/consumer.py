@@ -120,7 +120,9 @@ class Consumer:
         transfer_timeout_s: float = 10.0,
         workers: int = 2,
         mode: Mode = Mode.PULL,
+        model_id: str = "",
     ):
+        """``model_id``: what this D serves; a P serving another id is refused."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport = transport
         self.policy = policy
@@ -131,7 +133,15 @@ class Consumer:
         self._notifs: set[bytes] = set()
         bound = Bound(layout, tuple(bases))
         self.peers = PeerCache(
-            engine_id, spec, par, rank, bound, transport, secret, timeout_s=transfer_timeout_s
+            engine_id,
+            spec,
+            par,
+            rank,
+            bound,
+            transport,
+            secret,
+            timeout_s=transfer_timeout_s,
+            model_id=model_id,
         )
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._lock = threading.Lock()

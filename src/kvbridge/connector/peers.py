@@ -48,9 +48,11 @@ class PeerCache:
         transport: Transport,
         secret: bytes,
         timeout_s: float = 5.0,
+        model_id: str = "",
     ):
-        """``timeout_s`` bounds each side-channel call to a P (handshake, lease, push)."""
-        self.timeout_s = timeout_s
+        """``timeout_s`` bounds each side-channel call to a P (handshake, lease, push);
+        a P whose ``model_id`` differs from ``model_id`` is refused."""
+        self.timeout_s, self.model_id = timeout_s, model_id
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.bound, self.transport, self.secret = bound, transport, secret
         self._lock = threading.Lock()
@@ -82,6 +84,11 @@ class PeerCache:
         if reply.compat_hash != self.spec.compat_hash():
             raise IncompatibleError(
                 f"P model hash {reply.compat_hash} differs from D's {self.spec.compat_hash()}"
+            )
+        if reply.model_id != self.model_id:
+            raise IncompatibleError(
+                f"P serves model {reply.model_id!r}, D {self.model_id!r} (same KV shapes, "
+                "another model: its bytes would be wrong here)"
             )
         p_par = Parallel(reply.tp, reply.pp, tuple(tuple(s) for s in reply.stages))  # type: ignore[misc]
         if len(reply.ranks) != p_par.world or [r.rank for r in reply.ranks] != list(

@@ -88,8 +88,12 @@ class Producer:
         lease_s: float = 30.0,
         host: str = "127.0.0.1",
         port: int = 0,
+        model_id: str = "",
     ):
+        """``model_id`` names what P serves; a D with another id is refused at the
+        handshake (two models with the same KV shapes would otherwise exchange bytes)."""
         self.engine_id = engine_id
+        self.model_id = model_id
         self.spec = spec
         self.par = par
         self.epoch = secrets.token_hex(8)
@@ -152,6 +156,7 @@ class Producer:
             self.engine_id,
             self.epoch,
             self.spec.compat_hash(),
+            self.model_id,
             self.par.tp,
             self.par.pp,
             stages,

@@ -16,7 +16,7 @@ import msgspec
 from kvbridge.errors import LayoutError, PeerError
 from kvbridge.layout.view import RankLayout, View
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -64,6 +64,9 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply", frozen=True):
     epoch: str
     """Changes whenever the P instance restarts (new memory, new agents)."""
     compat_hash: str
+    model_id: str
+    """What P serves (e.g. a fingerprint of its config.json); D refuses a P whose id
+    differs from its own, even when the KV bytes have the same shape."""
     tp: int
     pp: int
     stages: list[tuple[int, int]]

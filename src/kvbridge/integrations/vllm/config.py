@@ -8,10 +8,14 @@
     lease_s     how long P holds a prefilled request's blocks for D (default 30)
     timeout_s   D's deadline for one request's transfer and for each side-channel call
                 to P (handshake, lease, push; default 10)
+    model_id    what this engine serves; P and D must agree (default: a fingerprint of
+                the model's config, see :func:`model_fingerprint`)
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +33,27 @@ class ConnectorConfig:
     port: int = 0
     lease_s: float = 30.0
     timeout_s: float = 10.0
+    model_id: str = ""
 
 
-def read_config(kv_transfer_config: Any) -> ConnectorConfig:
+VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
+"""Config keys that name where or how a model was loaded, not which model it is."""
+
+
+def model_fingerprint(hf_config: Any) -> str:
+    """A short hash of the model's config (architecture, sizes, every hyper-parameter),
+    without the keys that depend on where it was loaded from: P and D may keep the same
+    checkpoint under different paths. Two models whose KV caches have the same shapes
+    (say a Llama and a Qwen3 of equal sizes) differ here, and D refuses the other's
+    bytes. Different weights under one config (fine-tunes) need ``model_id``."""
+    body = {k: v for k, v in hf_config.to_dict().items() if not k.startswith(VOLATILE)}
+    text = json.dumps(body, sort_keys=True, default=str)
+    return "cfg-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConfig:
+    """The settings; ``hf_config`` (vLLM's ``model_config.hf_config``) gives the
+    default ``model_id``."""
     role = kv_transfer_config.kv_role
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ConfigError(f"kv_role {role!r}: expected kv_producer, kv_consumer or kv_both")
@@ -41,7 +63,7 @@ def read_config(kv_transfer_config: Any) -> ConnectorConfig:
         raise ConfigError(
             "kvbridge needs a shared secret: kv_connector_extra_config.secret or KVBRIDGE_SECRET"
         )
-    unknown = set(extra) - {"host", "port", "lease_s", "timeout_s"}
+    unknown = set(extra) - {"host", "port", "lease_s", "timeout_s", "model_id"}
     if unknown:
         raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
     try:
@@ -54,6 +76,7 @@ def read_config(kv_transfer_config: Any) -> ConnectorConfig:
             int(extra.get("port", 0)),
             float(extra.get("lease_s", 30.0)),
             float(extra.get("timeout_s", 10.0)),
+            str(extra.get("model_id") or (model_fingerprint(hf_config) if hf_config else "")),
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None

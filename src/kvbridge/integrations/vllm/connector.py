@@ -27,7 +27,7 @@ from kvbridge.integrations.vllm.worker import WorkerSide
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        cfg = read_config(vllm_config.kv_transfer_config)
+        cfg = read_config(vllm_config.kv_transfer_config, vllm_config.model_config.hf_config)
         cache = read_cache(vllm_config, kv_cache_config)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

@@ -65,6 +65,7 @@ class SchedulerSide:
             self.cfg.lease_s,
             self.cfg.host,
             self.cfg.port,
+            self.cfg.model_id,
         )
         for info in ranks:
             self.producer.add_rank(info)

@@ -65,6 +65,7 @@ class WorkerSide:
                 self._transport("d"),
                 self.cfg.secret,
                 transfer_timeout_s=self.cfg.timeout_s,
+                model_id=self.cfg.model_id,
             )
 
     def handshake_meta(self) -> RankMeta | None:
@@ -115,6 +116,7 @@ class WorkerSide:
             )
             self.observed.append(observation(out))
             if not out.ok:
+                self.totals[f"failed_{(out.error or 'unknown').split(':', 1)[0]}"] += 1
                 stages = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in out.stages.items())
                 log.error(
                     "kvbridge: load of request %s failed after %.2f s (%s): %s",

@@ -1,0 +1,48 @@
+"""The vLLM connector's settings: the model identity P and D must share."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.integrations.vllm.config import model_fingerprint, read_config
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_key_value_heads": 2}
+
+
+class HFConfig:
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.kw)
+
+
+def kv(**extra: Any) -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_role="kv_both", engine_id="e", kv_connector_extra_config={"secret": "s", **extra}
+    )
+
+
+def test_fingerprint_ignores_where_the_model_was_loaded_from() -> None:
+    a = HFConfig(**LLAMA, _name_or_path="/p/llama", transformers_version="4.1")
+    b = HFConfig(**LLAMA, _name_or_path="/other/host/llama", transformers_version="4.2")
+    assert model_fingerprint(a) == model_fingerprint(b)
+
+
+def test_fingerprint_tells_models_of_equal_kv_shapes_apart() -> None:
+    qwen = HFConfig(**{**LLAMA, "architectures": ["Qwen3ForCausalLM"]})
+    assert model_fingerprint(HFConfig(**LLAMA)) != model_fingerprint(qwen)
+    theta = HFConfig(**LLAMA, rope_theta=1e6)
+    assert model_fingerprint(HFConfig(**LLAMA)) != model_fingerprint(theta)
+
+
+def test_model_id_defaults_to_the_fingerprint_and_can_be_set() -> None:
+    hf = HFConfig(**LLAMA)
+    assert read_config(kv(), hf).model_id == model_fingerprint(hf)
+    assert read_config(kv(model_id="llama-ft-7"), hf).model_id == "llama-ft-7"
+    with pytest.raises(ConfigError, match="unknown keys"):
+        read_config(kv(model="x"), hf)
