@@ -67,3 +67,34 @@ def test_random_plans_match_the_reference(
         for runs in plan.runs.values():
             assert (runs.length > 0).all()
         assert plan.summary().bytes == sum(r.nbytes for r in plan.runs.values())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=specs(),
+    p_tp=st.sampled_from([1, 2, 3]),
+    d_tp=st.sampled_from([1, 2, 4]),
+    p_bs=st.sampled_from([1, 4, 8, 16, 12]),
+    d_bs=st.sampled_from([4, 8, 16, 6]),
+    p_lay=st.sampled_from(LAYOUTS),
+    d_lay=st.sampled_from(LAYOUTS),
+    n=st.integers(1, 70),
+    cached_frac=st.floats(0, 1),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_padded_tails_match_the_reference_and_never_add_descriptors(
+    spec, p_tp, d_tp, p_bs, d_bs, p_lay, d_lay, n, cached_frac, shuffle, seed
+):
+    """``pad_tail``: D holds every token up to the end of the last block both sides hold
+    (P's padding slots filled too, so where they land is checked), nothing past it; and
+    no plan posts more descriptors than the exact one."""
+    assume(tp_ok(spec, p_tp) and tp_ok(spec, d_tp))
+    p = Side(spec.with_block_sizes(p_bs), Parallel(p_tp), p_lay, 300)
+    d = Side(spec.with_block_sizes(d_bs), Parallel(d_tp), d_lay, 300)
+    cached = int(cached_frac * n)
+    exact = run_scenario(p, d, n, cached, np.random.default_rng(seed), shuffle)
+    padded = run_scenario(p, d, n, cached, np.random.default_rng(seed), shuffle, pad_tail=True)
+    for r, plan in padded.items():
+        assert plan.descriptors <= exact[r].descriptors
+        assert plan.nbytes >= exact[r].nbytes

@@ -90,6 +90,27 @@ def test_same_block_size_keeps_whole_blocks_as_runs() -> None:
     assert plans[0].descriptors == 3
 
 
+@pytest.mark.parametrize("kinds", [(Kind.FULL,) * 3, (Kind.SLIDING, Kind.FULL, Kind.SLIDING)])
+def test_padded_tail_of_a_partial_block_is_one_run_not_one_per_element(kinds) -> None:
+    """The vLLM connector's case: 61 tokens in blocks of 8 end inside block 8, where the
+    transposed K cuts every element into its own run (HD × heads runs per layer). With
+    ``pad_tail`` the last block moves whole: as many runs as 64 tokens, bytes of tokens
+    < 61 exact (run_scenario checks every byte)."""
+    rng = np.random.default_rng
+
+    def plan(n: int, pad: bool):
+        a, b = side(8, 1, None, kinds), side(8, 1, None, kinds)
+        return run_scenario(a, b, n, 0, rng(1), shuffle=False, pad_tail=pad)[0]
+
+    exact, padded, whole = plan(61, False), plan(61, True), plan(64, False)
+    assert exact.descriptors > 3 * HD * HEADS  # K: one run per element and layer
+    if Kind.SLIDING not in kinds:
+        assert padded.descriptors == whole.descriptors == len(kinds)
+        assert padded.nbytes == whole.nbytes
+    else:  # the window still starts inside block 7 (token 55): only the tail is whole
+        assert padded.descriptors < exact.descriptors // 2
+
+
 def test_bad_descriptions_are_refused() -> None:
     with pytest.raises(LayoutError, match="differ in length"):
         TensorDesc(0, (2, 3), (3, 1, 1), 4, "BD")

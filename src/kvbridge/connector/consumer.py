@@ -121,8 +121,11 @@ class Consumer:
         workers: int = 2,
         mode: Mode = Mode.PULL,
         model_id: str = "",
+        pad_tail: bool = False,
     ):
-        """``model_id``: what this D serves; a P serving another id is refused."""
+        """``model_id``: what this D serves; a P serving another id is refused.
+        ``pad_tail``: the engine tolerates writes past the prefilled tokens in a request's
+        last block (see :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport = transport
         self.policy = policy
@@ -142,6 +145,7 @@ class Consumer:
             secret,
             timeout_s=transfer_timeout_s,
             model_id=model_id,
+            pad_tail=pad_tail,
         )
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._lock = threading.Lock()

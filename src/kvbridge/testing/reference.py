@@ -52,13 +52,14 @@ def rank_layers(spec: ModelSpec, par: Parallel, rank: int) -> list[int]:
     return list(range(lo, hi))
 
 
-def needed(layer: Layer, n: int, cached: int) -> list[int]:
-    """Tokens (state: rows marker [0]) D needs, listed one by one."""
+def needed(layer: Layer, n: int, cached: int, end: int = 0) -> list[int]:
+    """Tokens (state: rows marker [0]) D needs, listed one by one; with ``end`` > n the
+    range runs on to ``end`` (a padded tail)."""
     if cached >= n:
         return []
     if layer.kind is Kind.STATE:
         return [0]
-    toks = list(range(cached, n))
+    toks = list(range(cached, max(n, end)))
     if layer.kind is Kind.SLIDING:
         toks = [t for t in toks if t >= n - (layer.window - 1)]
     if layer.kind is Kind.CHUNKED:
@@ -126,11 +127,15 @@ def fill_source(
     bufs: list[np.ndarray],
     n: int,
     tables: list[list[int]],
+    ends: list[int] | None = None,
 ) -> None:
-    """Write the encoded request of ``n`` tokens into P rank ``rank``'s buffers."""
+    """Write the encoded request of ``n`` tokens into P rank ``rank``'s buffers (group
+    ``g``: ``ends[g]`` tokens, when given: the padding slots of a last block too)."""
 
     def all_tokens(layer: Layer) -> list[int]:
-        return [0] if layer.kind is Kind.STATE else list(range(n))
+        if layer.kind is Kind.STATE:
+            return [0]
+        return list(range(ends[spec.group_of(layer.index)] if ends else n))
 
     for region, addr, data in _visit(spec, par, rank, layout, all_tokens, tables):
         bufs[region][addr : addr + data.shape[0]] = data
@@ -145,12 +150,14 @@ def expected_dest(
     n: int,
     cached: int,
     tables: list[list[int]],
+    ends: list[int] | None = None,
 ) -> list[np.ndarray]:
-    """What D rank ``rank``'s buffers must hold after the transfer (``before`` untouched)."""
+    """What D rank ``rank``'s buffers must hold after the transfer (``before`` untouched).
+    ``ends[g]``: where group ``g``'s token range ends when the tail is padded."""
     out = [b.copy() for b in before]
 
     def wanted(layer: Layer) -> list[int]:
-        return needed(layer, n, cached)
+        return needed(layer, n, cached, ends[spec.group_of(layer.index)] if ends else 0)
 
     for region, addr, data in _visit(spec, par, rank, layout, wanted, tables):
         out[region][addr : addr + data.shape[0]] = data
