@@ -1,4 +1,4 @@
-"""``kvbridge bench plan|transfer [--quick] [--calls N] [--json]``: benchmarks that print
+"""``kvbridge bench plan|transfer|vllm [--quick] [--calls N] [--json]``: benchmarks that print
 figures. One progress line per finished case goes to stderr; the table (or, with
 ``--json``, one JSON list) to stdout at the end."""
 
@@ -17,18 +17,19 @@ QUICK_CALLS = 50
 
 def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print its figures")
-    p.add_argument("what", choices=["plan", "transfer"])
+    p.add_argument("what", choices=["plan", "transfer", "vllm"])
     p.add_argument("--json", action="store_true", help="one JSON list, one object per case")
     p.add_argument(
         "--calls",
         type=types.positive,
-        help="timed calls per batch (plan; default 300, with --quick 50)",
+        help="timed calls per batch (plan; default 300, with --quick 50); timed requests "
+        "per connector and case (vllm; default 8, with --quick 4)",
     )
     p.add_argument(
         "--quick",
         action="store_true",
         help="smaller, faster run: plan leaves out the 32k-token cases and times 50 calls; "
-        "transfer runs 1024 tokens only",
+        "transfer runs 1024 tokens only; vllm runs the three llama block-size cases",
     )
     p.set_defaults(run=run)
 
@@ -42,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
 
         calls = args.calls or (QUICK_CALLS if args.quick else 300)
         rows = as_dicts(cases(calls, quick=args.quick, progress=say))
+    elif args.what == "vllm":
+        from kvbridge.integrations.vllm.bench import run_all as run_vllm
+
+        rows = run_vllm(quick=args.quick, calls=args.calls, progress=say)
     else:
         if args.calls is not None:
             from kvbridge.errors import ConfigError

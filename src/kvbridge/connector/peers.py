@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 from kvbridge.connector.handle import TransferHandle
@@ -14,6 +16,8 @@ from kvbridge.plan.geometry import Bound
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -76,8 +80,10 @@ class PeerCache:
             return peer
 
     def _handshake(self, handle: TransferHandle) -> Peer:
+        t0 = time.perf_counter()
         client = Client(handle.endpoint, self.secret, self.timeout_s)
         reply = client.call(Handshake(PROTOCOL_VERSION, self.engine_id))
+        laps = [time.perf_counter()]
         if not isinstance(reply, HandshakeReply):
             raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
         if reply.version != PROTOCOL_VERSION:
@@ -103,10 +109,18 @@ class PeerCache:
         geometry = Geometry(
             spec_p, self.spec, p_par, self.par, p_bound, self.bound, self.rank, self.pad_tail
         )
+        laps.append(time.perf_counter())
         agents = {}
         for info in reply.ranks:
             if info.rank in {pc for pc in _sources(geometry)}:
                 agents[info.rank] = self.transport.add_peer(info.agent)
+        laps.append(time.perf_counter())
+        if laps[-1] - t0 > 1.0:
+            call, geom, peers = laps[0] - t0, laps[1] - laps[0], laps[2] - laps[1]
+            log.warning(
+                "handshake with %s took %.1f s (reply %.1f s, geometry %.1f s, NIXL peers %.1f s)",
+                handle.engine_id, laps[-1] - t0, call, geom, peers,
+            )  # fmt: skip
         endpoints = {info.rank: info.endpoint for info in reply.ranks}
         return Peer(
             reply.engine_id,

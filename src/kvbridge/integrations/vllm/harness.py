@@ -112,6 +112,7 @@ class Engine:
 
 def _serve(conn: Any, cfg: EngineConfig) -> None:
     os.setpgrp()
+    os.dup2(2, 1)  # vLLM logs to stdout: keep the caller's stdout for its own output
     os.environ.update(
         UCX_MODULES="^ib",
         VLLM_CPU_OMP_THREADS_BIND=cfg.cpus,
@@ -119,6 +120,9 @@ def _serve(conn: Any, cfg: EngineConfig) -> None:
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
     )
     os.environ.update(cfg.env)
+    from kvbridge.bench.nixl_delay import patch_from_env
+
+    patch_from_env()  # a benchmark's NixlConnector engine: its agent polls with a delay
     try:
         llm = _make_llm(cfg)
     except Exception as e:  # reported to the parent, which raises EngineError

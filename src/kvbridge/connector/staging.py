@@ -1,0 +1,200 @@
+"""Staged pulls: many small runs read as a few long source spans into a registered
+staging area on D, then scattered to their destinations by a local copy.
+
+A block-size change on a layout that keeps K transposed (vLLM's CPU cache) cuts every
+element row of K into its own run: a 768-token request of a tiny Llama is ~12,000 runs
+of 128 bytes, and the transport pays per descriptor. On P those runs are mostly
+contiguous (a P block's rows follow each other), so sorted by source they join into a
+span per P block or longer; D reads the spans, then numpy moves each run from the
+staging slot to its block in one vectorised copy per run length.
+
+Safety: a staging slot whose READ did not finish (deadline, error) is never reused
+(quarantined for the life of the consumer): a late byte lands there, not in a block D's
+engine may have handed to another request. Scatter happens only after the READ of that
+chunk completed, before the request is reported.
+
+Whether a request is staged is the cost model's call (:class:`CostModel`): the copy's
+costs are measured when the consumer starts, the per-descriptor cost of the transport
+is learned from the direct transfers it times.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import TransportError
+from kvbridge.plan.runs import Runs
+from kvbridge.transport.base import Region
+
+DESC_COST_S = 2e-6
+"""Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
+ROUND_TRIP_S = 1e-4
+"""Fixed cost of one more transfer round (post, wait) per staged chunk."""
+
+
+class LocalMemory:
+    """Writable numpy views of local regions, addressed by absolute address."""
+
+    def __init__(self, regions: list[Region]):
+        order = sorted(regions, key=lambda r: r.addr)
+        self.bases = np.array([r.addr for r in order], dtype=np.int64)
+        self.ends = self.bases + np.array([r.nbytes for r in order], dtype=np.int64)
+        self.views = [
+            np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr)) for r in order
+        ]
+
+    def scatter(
+        self, dst: np.ndarray, src: np.ndarray, src_off: np.ndarray, length: np.ndarray
+    ) -> None:
+        """Copy ``src[src_off[i] : src_off[i] + length[i]]`` to absolute address ``dst[i]``
+        (each destination inside one region, checked)."""
+        reg = np.searchsorted(self.bases, dst, side="right") - 1
+        if (reg < 0).any() or (dst + length > self.ends[np.maximum(reg, 0)]).any():
+            raise TransportError("staged scatter: a destination run leaves local memory")
+        for r in np.unique(reg):
+            m = reg == r
+            d_off, s_off, ln = dst[m] - self.bases[r], src_off[m], length[m]
+            for size in np.unique(ln):
+                k = ln == size
+                copy_equal(self.views[r], d_off[k], src, s_off[k], int(size))
+
+
+def copy_equal(
+    dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
+) -> None:
+    """``dv[d_off[i] : +size] = sv[s_off[i] : +size]`` for all i (uint8 arrays)."""
+    if d_off.shape[0] <= 16 or size >= 1 << 16:  # few or long runs: slices
+        for a, b in zip(d_off.tolist(), s_off.tolist(), strict=True):
+            dv[a : a + size] = sv[b : b + size]
+        return
+    w = 8
+    while w > 1 and (size % w or (d_off % w).any() or (s_off % w).any()):
+        w //= 2
+    dt = np.dtype(f"u{w}") if w > 1 else np.dtype(np.uint8)
+    dw, sw = dv.view(dt) if w > 1 else dv, sv.view(dt) if w > 1 else sv
+    step = np.arange(size // w, dtype=np.int64)
+    dw[(d_off // w)[:, None] + step] = sw[(s_off // w)[:, None] + step]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One staged round: READ ``spans`` into the slot, then scatter ``runs`` from it."""
+
+    span_src: np.ndarray
+    span_stage: np.ndarray
+    """Offsets of the spans in the slot."""
+    span_len: np.ndarray
+    run_dst: np.ndarray
+    run_stage: np.ndarray
+    run_len: np.ndarray
+
+
+def chunks(runs: Runs, slot_bytes: int) -> list[Chunk]:
+    """Runs sorted by source, cut into rounds of at most ``slot_bytes`` run bytes; in a
+    round, runs whose source bytes touch or overlap join into one span. Raises if a
+    single run is longer than a slot (the caller sends such requests direct)."""
+    order = np.argsort(runs.src, kind="stable")
+    s, d, ln = runs.src[order], runs.dst[order], runs.length[order]
+    if int(ln.max()) > slot_bytes:
+        raise TransportError(f"a run of {int(ln.max())} B exceeds the {slot_bytes} B slot")
+    total = np.cumsum(ln)
+    out, lo = [], 0
+    while lo < s.shape[0]:
+        before = int(total[lo - 1]) if lo else 0
+        hi = int(np.searchsorted(total, before + slot_bytes, side="right"))
+        out.append(_chunk(s[lo:hi], d[lo:hi], ln[lo:hi]))
+        lo = hi
+    return out
+
+
+def _chunk(s: np.ndarray, d: np.ndarray, ln: np.ndarray) -> Chunk:
+    """One round of runs sorted by source: spans and each run's offset in the slot."""
+    end = np.maximum.accumulate(s + ln)
+    new = np.concatenate(([True], s[1:] > end[:-1]))
+    starts = np.flatnonzero(new)
+    span_id = np.cumsum(new) - 1
+    span_src = s[starts]
+    span_len = np.append(end[starts[1:] - 1], end[-1]) - span_src
+    stage = np.concatenate(([0], np.cumsum(span_len)[:-1]))
+    return Chunk(span_src, stage, span_len, d, stage[span_id] + (s - span_src[span_id]), ln)
+
+
+class CostModel:
+    """Direct: ``runs · c_desc``. Staged: ``spans · c_desc + rounds · round trip +
+    scatter(runs, bytes)``; the scatter's per-run and per-byte costs are measured at
+    start-up, ``c_desc`` from the direct transfers the consumer timed."""
+
+    def __init__(self) -> None:
+        self.c_desc = DESC_COST_S
+        self.per_run, self.per_byte = _measure_scatter()
+        self._lock = threading.Lock()
+
+    def staged_wins(self, runs: int, spans: int, nbytes: int, rounds: int) -> bool:
+        direct = runs * self.c_desc
+        staged = spans * self.c_desc + rounds * ROUND_TRIP_S
+        staged += runs * self.per_run + nbytes * self.per_byte
+        return staged < direct
+
+    def learn(self, descriptors: int, nbytes: int, seconds: float) -> None:
+        """A direct transfer of small runs: what one descriptor cost (moving average)."""
+        if descriptors < 256 or nbytes > descriptors * 4096:
+            return  # bandwidth-bound: says little about the descriptor cost
+        with self._lock:
+            self.c_desc = 0.8 * self.c_desc + 0.2 * (seconds / descriptors)
+
+
+def _measure_scatter() -> tuple[float, float]:
+    """Seconds per run and per byte of :func:`copy_equal`, from two timed copies."""
+    src = np.ones(1 << 20, np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+
+    def timed(size: int) -> float:
+        off = np.arange(0, 1 << 20, size, dtype=np.int64)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            copy_equal(dst, off[::-1].copy(), src, off, size)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    small, big = timed(128), timed(8192)  # 8192 runs, 128 runs of the same 1 MiB
+    per_run = max((small - big) / (8192 - 128), 0.0)
+    per_byte = max((big - 128 * per_run) / (1 << 20), 0.0)
+    return per_run, per_byte
+
+
+class StagingPool:
+    """``slots`` staging slots of ``slot_bytes`` in one buffer, registered by the
+    consumer with its transport. A slot whose READ may still land is not given back."""
+
+    def __init__(self, slots: int, slot_bytes: int):
+        self.slot_bytes = slot_bytes
+        self.buf = np.zeros(slots * slot_bytes, np.uint8)
+        self.region = Region(int(self.buf.ctypes.data), int(self.buf.nbytes))
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(slots):
+            self._free.put(i)
+        self.quarantined = 0
+
+    def take(self, timeout_s: float) -> int | None:
+        """A free slot, or None if none frees up within ``timeout_s`` (send direct)."""
+        try:
+            return self._free.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def give_back(self, slot: int, clean: bool) -> None:
+        """Return ``slot``; ``clean=False`` (a READ into it may still land) keeps it out."""
+        if clean:
+            self._free.put(slot)
+        else:
+            self.quarantined += 1
+
+    def view(self, slot: int) -> np.ndarray:
+        return self.buf[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
