@@ -333,3 +333,47 @@ def test_many_small_runs_are_staged_byte_exact():
         assert direct.ok and direct.staged_runs == 0 and direct.descriptors > 1000
     finally:
         w.close()
+
+
+class SlowPeers(LoopbackTransport):
+    """A transport whose first connection to a peer takes ``delay`` seconds (NIXL's
+    first UCX connection has been seen to take 31 s on this machine)."""
+
+    delay = 2.5
+
+    def add_peer(self, metadata: bytes) -> str:
+        time.sleep(self.delay)
+        return super().add_peer(metadata)
+
+
+def test_leases_are_renewed_while_the_handshake_is_slow():
+    """Lease 2 s, handshake 5 s (two P ranks): the renewer keeps the lease (through a channel to the
+    handle's endpoint, the peer being unknown yet) and the load lands byte-exact."""
+    w = World(lease_s=2.0)
+    try:
+        slow = Consumer(
+            "D-slow",
+            w.d.spec,
+            w.d.par,
+            0,
+            w.d.layouts[0],
+            list(w.d.bound(0).bases),
+            SlowPeers("d-slow", w.fabric),
+            SECRET,
+        )
+        try:
+            before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+            handle, d_tabs = w.request("slow", 50)
+            slow.load(handle, d_tabs)
+            end = time.monotonic() + 10
+            out = []
+            while not out and time.monotonic() < end:
+                out = slow.poll()
+                time.sleep(0.01)
+            assert len(out) == 1 and out[0].ok, out
+            assert out[0].stages["handshake"] > 4.0
+            check_bytes(w, before, 50, 0, d_tabs)
+        finally:
+            slow.close()
+    finally:
+        w.close()

@@ -25,6 +25,7 @@ import numpy as np
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.staging import Chunk, CostModel, LocalMemory, StagingPool, chunks
+from kvbridge.control.channel import Client
 from kvbridge.control.messages import (
     LeaseOp,
     LeaseOpName,
@@ -138,7 +139,7 @@ class Consumer:
         ``staging_bytes``: registered staging area for pulls of many small runs, split
         in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`)."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
-        self.transport = transport
+        self.transport, self.secret = transport, secret
         self.policy = policy
         self.timeout_s = transfer_timeout_s
         self.mode = mode
@@ -343,13 +344,13 @@ class Consumer:
                 raise TransferTimeout(f"push notifications missing after {self.timeout_s} s")
             time.sleep(0.0005)
 
-    def _lease(self, peer: Peer, job: _Load, op: LeaseOpName) -> LeaseReply:
+    def _lease(self, peer: Peer | Client, job: _Load, op: LeaseOpName) -> LeaseReply:
         h = job.handle
         digest = tables_digest(h.block_tables, h.n_tokens)
         msg = LeaseOp(
             op, h.request_id, h.lease_id, digest, self.engine_id, self.rank, self.par.world
         )
-        reply = peer.client.call(msg)
+        reply = (peer if isinstance(peer, Client) else peer.client).call(msg)
         if not isinstance(reply, LeaseReply):
             raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
         if reply.state == "mismatch":
@@ -375,15 +376,28 @@ class Consumer:
         return out
 
     def _renew_loop(self) -> None:
+        """Every second, renew the leases of loads waiting in the queue or in a handshake
+        (a first NIXL connection has been seen to take 31 s here): through the peer's
+        channel once it is known, else through a short-timeout channel to the handle's
+        endpoint (kept for the few endpoints seen last)."""
+        clients: dict[str, Client] = {}
+        waiting = (LoadState.QUEUED, LoadState.HANDSHAKE)
         while not self._stop.wait(1.0):
             with self._lock:
-                queued = [j for j in self._loads.values() if j.state is LoadState.QUEUED]
-            for job in queued:
-                peer = self.peers.known(job.handle)
+                jobs = [j for j in self._loads.values() if j.state in waiting]
+            for job in jobs:
+                peer: Peer | Client | None = self.peers.known(job.handle)
                 if peer is None:
-                    continue
+                    peer = clients.pop(job.handle.endpoint, None) or Client(
+                        job.handle.endpoint, self.secret, min(self.timeout_s, 1.0)
+                    )
+                    clients[job.handle.endpoint] = peer  # most recent last
                 with contextlib.suppress(KVBridgeError):  # the load itself will find out
                     self._lease(peer, job, "renew")
+            while len(clients) > 16:
+                clients.pop(next(iter(clients))).close()
+        for c in clients.values():
+            c.close()
 
     def close(self) -> None:
         self._stop.set()

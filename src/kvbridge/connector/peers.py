@@ -64,8 +64,9 @@ class PeerCache:
         self._peers: dict[str, Peer] = {}
 
     def known(self, handle: TransferHandle) -> Peer | None:
-        with self._lock:
-            return self._peers.get(handle.engine_id)
+        """The peer if one is cached. Does not wait for a handshake in progress (that
+        holds the lock for as long as P takes): one dict read is atomic."""
+        return self._peers.get(handle.engine_id)
 
     def get(self, handle: TransferHandle) -> Peer:
         """The peer of ``handle``; handshakes if new or if P restarted (new epoch)."""

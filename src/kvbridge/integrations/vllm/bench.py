@@ -5,6 +5,8 @@ same machine.
 Per case (model, P and D block sizes and TP) four engines run at once: a P and a D with
 each connector, P pinned to CPU 0 and D to CPU 1 for both. Then:
 
+* **first**: one request through each pair first, timed on its own: it pays the
+  connector's handshake with P.
 * **output**: a batch of prompts goes P → D through each connector; D's greedy tokens are
   compared with a colocated run (the kvbridge D engine without a handle, its prefix cache
   reset after). ``match``, ``WRONG`` (tokens differ, no error), or ``refused`` (the
@@ -41,7 +43,7 @@ from kvbridge.bench.nixl_delay import ENV as DELAY_ENV
 from kvbridge.integrations.vllm.harness import Engine, EngineConfig, EngineError
 from kvbridge.integrations.vllm.models import make_tiny_model
 
-SECRET = {"secret": "kvbridge-bench", "timeout_s": 10.0, "lease_s": 30.0}
+SECRET = {"secret": "kvbridge-bench", "timeout_s": 10.0, "lease_s": 60.0}
 NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
 CONNECTORS = ("kvbridge", "nixl")
 
@@ -245,8 +247,14 @@ def run_case(
     t_start = time.perf_counter()
     with _engines(_configs(case, model, site)) as eng:
         progress(f"{case.name}: 4 engines up in {time.perf_counter() - t_start:.0f} s")
-        for conn in CONNECTORS:
-            eng[conn][1].rpc(install_recorder)
+        first = {}
+        for conn in CONNECTORS:  # the first request pays the handshake: timed apart
+            p, d = eng[conn]
+            d.rpc(install_recorder)
+            (x,) = _prompts(rng, (case.timed_len,))
+            _, t_p, t_d = _pd(p, d, [x], 1)
+            first[conn] = t_p + t_d
+            d.rpc(take_records)
         ref_engine = eng["kvbridge"][1]
         batch = _prompts(rng, case.lengths)
         if case.one_by_one:
@@ -276,7 +284,10 @@ def run_case(
                 row = transfers(conn, [r for w in d.rpc(take_records) for r in w])
                 if out[0].tokens:
                     timed[conn].append(dict(row, ttft_s=t_p + t_d, d_s=t_d))
-    rows = [_row(case.name, conn, verdict[conn], timed[conn]) for conn in CONNECTORS]
+    rows = [
+        _row(case.name, c, verdict[c], timed[c]) | {"first_ms": round(first[c] * 1e3)}
+        for c in CONNECTORS
+    ]
     progress(
         f"{case.name}: "
         + "; ".join(f"{r['connector']} {r['output']} ttft {r['ttft_ms']} ms" for r in rows)
