@@ -86,7 +86,7 @@ def test_random_plans_match_the_reference(
 def test_padded_tails_match_the_reference_and_never_add_descriptors(
     spec, p_tp, d_tp, p_bs, d_bs, p_lay, d_lay, n, cached_frac, shuffle, seed
 ):
-    """``pad_tail``: D holds every token up to the end of the last block both sides hold
+    """``pad_blocks``: D holds every token up to the end of the last block both sides hold
     (P's padding slots filled too, so where they land is checked), nothing past it; and
     no plan posts more descriptors than the exact one."""
     assume(tp_ok(spec, p_tp) and tp_ok(spec, d_tp))
@@ -94,7 +94,7 @@ def test_padded_tails_match_the_reference_and_never_add_descriptors(
     d = Side(spec.with_block_sizes(d_bs), Parallel(d_tp), d_lay, 300)
     cached = int(cached_frac * n)
     exact = run_scenario(p, d, n, cached, np.random.default_rng(seed), shuffle)
-    padded = run_scenario(p, d, n, cached, np.random.default_rng(seed), shuffle, pad_tail=True)
+    padded = run_scenario(p, d, n, cached, np.random.default_rng(seed), shuffle, pad_blocks=True)
     for r, plan in padded.items():
         assert plan.descriptors <= exact[r].descriptors
         assert plan.nbytes >= exact[r].nbytes

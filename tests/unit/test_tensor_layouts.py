@@ -91,24 +91,23 @@ def test_same_block_size_keeps_whole_blocks_as_runs() -> None:
 
 
 @pytest.mark.parametrize("kinds", [(Kind.FULL,) * 3, (Kind.SLIDING, Kind.FULL, Kind.SLIDING)])
-def test_padded_tail_of_a_partial_block_is_one_run_not_one_per_element(kinds) -> None:
-    """The vLLM connector's case: 61 tokens in blocks of 8 end inside block 8, where the
-    transposed K cuts every element into its own run (HD × heads runs per layer). With
-    ``pad_tail`` the last block moves whole: as many runs as 64 tokens, bytes of tokens
-    < 61 exact (run_scenario checks every byte)."""
+def test_padded_blocks_are_one_run_not_one_per_element(kinds) -> None:
+    """The vLLM connector's case: 61 tokens in blocks of 8 end inside block 8, and a
+    window of 7 starts inside block 7 (token 54); the transposed K cuts every element of
+    a partial block into its own run (HD × heads runs per layer and partial block). With
+    ``pad_blocks`` partial blocks move whole: one run per layer over consecutive ids;
+    bytes of the needed tokens exact (run_scenario checks every byte)."""
     rng = np.random.default_rng
 
     def plan(n: int, pad: bool):
         a, b = side(8, 1, None, kinds), side(8, 1, None, kinds)
-        return run_scenario(a, b, n, 0, rng(1), shuffle=False, pad_tail=pad)[0]
+        return run_scenario(a, b, n, 0, rng(1), shuffle=False, pad_blocks=pad)[0]
 
-    exact, padded, whole = plan(61, False), plan(61, True), plan(64, False)
+    exact, padded = plan(61, False), plan(61, True)
     assert exact.descriptors > 3 * HD * HEADS  # K: one run per element and layer
+    assert padded.descriptors == len(kinds)
     if Kind.SLIDING not in kinds:
-        assert padded.descriptors == whole.descriptors == len(kinds)
-        assert padded.nbytes == whole.nbytes
-    else:  # the window still starts inside block 7 (token 55): only the tail is whole
-        assert padded.descriptors < exact.descriptors // 2
+        assert padded.nbytes == plan(64, False).nbytes
 
 
 def test_bad_descriptions_are_refused() -> None:

@@ -130,11 +130,11 @@ class Consumer:
         workers: int = 2,
         mode: Mode = Mode.PULL,
         model_id: str = "",
-        pad_tail: bool = False,
+        pad_blocks: bool = False,
         staging_bytes: int = 32 << 20,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
-        ``pad_tail``: the engine tolerates writes past the prefilled tokens in a request's
+        ``pad_blocks``: the engine tolerates writes past the prefilled tokens in a request's
         last block (see :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls of many small runs, split
         in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`)."""
@@ -163,7 +163,7 @@ class Consumer:
             secret,
             timeout_s=transfer_timeout_s,
             model_id=model_id,
-            pad_tail=pad_tail,
+            pad_blocks=pad_blocks,
         )
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._lock = threading.Lock()

@@ -53,11 +53,11 @@ class PeerCache:
         secret: bytes,
         timeout_s: float = 5.0,
         model_id: str = "",
-        pad_tail: bool = False,
+        pad_blocks: bool = False,
     ):
         """``timeout_s`` bounds each side-channel call to a P (handshake, lease, push);
         a P whose ``model_id`` differs from ``model_id`` is refused."""
-        self.timeout_s, self.model_id, self.pad_tail = timeout_s, model_id, pad_tail
+        self.timeout_s, self.model_id, self.pad_blocks = timeout_s, model_id, pad_blocks
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.bound, self.transport, self.secret = bound, transport, secret
         self._lock = threading.Lock()
@@ -108,7 +108,7 @@ class PeerCache:
         spec_p = self.spec.with_block_sizes(names)
         p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]
         geometry = Geometry(
-            spec_p, self.spec, p_par, self.par, p_bound, self.bound, self.rank, self.pad_tail
+            spec_p, self.spec, p_par, self.par, p_bound, self.bound, self.rank, self.pad_blocks
         )
         laps.append(time.perf_counter())
         agents = {}

@@ -48,14 +48,17 @@ class Geometry:
     ``p_bound[r]`` is P global rank ``r``'s layout with region addresses; ``d_bound`` the
     D rank's. Build it once at handshake; call :meth:`plan` per request.
 
-    ``pad_tail``: D's engine never reads the slots of its last block past the prefilled
-    tokens before writing them (true of any engine that computes the next token there,
-    e.g. vLLM). Then the needed range of a token group may end at the end of the last
-    block that both sides hold, ``min(⌈n/bs_P⌉·bs_P, ⌈n/bs_D⌉·bs_D)``, instead of at
-    ``n``: the padding slots get whatever P's block held there, and a partial last block
-    costs one run where it costs a run per head (or per element, with transposed K)
-    otherwise. A bucket keeps the exact end where padding would add runs. No block beyond
-    the request's own tables is touched either way.
+    ``pad_blocks``: D's engine never reads a slot of a request's blocks that lies outside
+    the tokens it needs before writing it: past the prefilled tokens in its last block
+    (true of any engine that computes the next token there, e.g. vLLM), and before a
+    sliding window's or chunk's first needed token in that token's block (attention never
+    looks there). Then a token group's needed range may run from the later of the two
+    sides' block starts around its first token (never below D's cached prefix) to the
+    end of the last block both sides hold, ``min(⌈n/bs_P⌉·bs_P, ⌈n/bs_D⌉·bs_D)``: the
+    padding slots get what P's blocks hold there, and a partial block costs one run where
+    it costs a run per head (or per element, with transposed K) otherwise. A bucket keeps
+    the exact range where padding would add runs. No block outside the ones the exact
+    range touches is read or written.
     """
 
     def __init__(
@@ -67,7 +70,7 @@ class Geometry:
         p_bound: Sequence[Bound],
         d_bound: Bound,
         d_rank: int,
-        pad_tail: bool = False,
+        pad_blocks: bool = False,
     ) -> None:
         if spec_p.compat_hash() != spec_d.compat_hash():
             raise IncompatibleError(
@@ -78,7 +81,7 @@ class Geometry:
             raise IncompatibleError(f"{len(p_bound)} P layouts for P world {p_par.world}")
         self.spec = spec_d
         self.d_rank = d_rank
-        self.pad_tail = pad_tail
+        self.pad_blocks = pad_blocks
         parts: dict[tuple[int, RuleKey, int], list[dict[str, np.ndarray]]] = {}
         for pc in sources(spec_p, p_par, d_par, d_rank):
             layer = spec_d.layers[pc.layer]
@@ -144,15 +147,14 @@ class Geometry:
             ptab = _table(p_tables[g], gg.p_blocks, n_tokens, gg.bp, gg.np_, gg.state, "P", g)
             dtab = _table(d_tables[g], 0, n_tokens, gg.bd, gg.nd, gg.state, "D", g)
             first = n_tokens
-            end = _padded_end(n_tokens, gg.bp, gg.bd) if self.pad_tail and not gg.state else 0
+            pad = (gg.bp, gg.bd) if self.pad_blocks and not gg.state else None
             for b in gg.buckets:
                 spans = _spans(b.rule, n_tokens, cached, gg.tile)
                 if not spans:
                     continue
-                if end > n_tokens:
-                    spans = _pad_if_no_more_runs(
-                        b, spans, _spans(b.rule, n_tokens, cached, gg.tile, end)
-                    )
+                if pad is not None:
+                    padded = _spans(b.rule, n_tokens, cached, gg.tile, pad)
+                    spans = padded if _runs(b, padded) <= _runs(b, spans) else spans
                 first = min(first, spans[0][4])
                 out = chunks.setdefault(b.src_rank, [])
                 for k_lo, k_hi, s, t, _ in spans:
@@ -179,32 +181,26 @@ def state_or_equal(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> bool:
     return spec_d.is_state_group(g) or (spec_p.groups[g].block_size == spec_d.groups[g].block_size)
 
 
-def _padded_end(n: int, bp: int, bd: int) -> int:
-    """The end of the last block both sides hold for ``n`` tokens (``pad_tail``)."""
-    return min(-(-n // bp) * bp, -(-n // bd) * bd)
-
-
-def _pad_if_no_more_runs(
-    b: Bucket, exact: tuple[tuple[int, ...], ...], padded: tuple[tuple[int, ...], ...]
-) -> tuple[tuple[int, ...], ...]:
-    """The padded spans where their last tile takes no more runs than the exact last
-    tile (HND, transposed K: one run instead of one per head or element); the exact ones
-    where padding only adds runs (NHD under a head split: a run per token either way)."""
-    pe, pp = b.pattern(exact[-1][2], exact[-1][3]), b.pattern(padded[-1][2], padded[-1][3])
-    return padded if pp.length.shape[0] <= pe.length.shape[0] else exact
+def _runs(b: Bucket, spans: tuple[tuple[int, ...], ...]) -> int:
+    """Runs ``spans`` take before streak joining (pattern runs × tiles)."""
+    return sum(b.pattern(s, t).length.shape[0] * (hi - lo) for lo, hi, s, t, _ in spans)
 
 
 @functools.lru_cache(maxsize=4096)
 def _spans(
-    rule: RuleKey, n: int, cached: int, tile: int, end: int = 0
+    rule: RuleKey, n: int, cached: int, tile: int, pad: tuple[int, int] | None = None
 ) -> tuple[tuple[int, ...], ...]:
-    """Tile spans ``(k_lo, k_hi, s, t, first token)`` of a rule's needed token range,
-    its end moved to ``end`` when that is given (``pad_tail``)."""
+    """Tile spans ``(k_lo, k_hi, s, t, first token)`` of a rule's needed token range;
+    with ``pad = (bs_P, bs_D)`` widened to whole blocks (``pad_blocks``)."""
     kind, window, chunk = rule
     a, e = Layer(0, Kind(kind), (), window, chunk).needed_tokens(n, cached)
     if a >= e:
         return ()
-    return tuple((*span, a) for span in _tile_spans(a, max(e, end), tile))
+    if pad is not None:
+        bp, bd = pad
+        e = max(e, min(-(-n // bp) * bp, -(-n // bd) * bd))
+        a = max(cached, a - a % bp, a - a % bd)
+    return tuple((*span, a) for span in _tile_spans(a, e, tile))
 
 
 def _table(

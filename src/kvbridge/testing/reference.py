@@ -52,18 +52,24 @@ def rank_layers(spec: ModelSpec, par: Parallel, rank: int) -> list[int]:
     return list(range(lo, hi))
 
 
-def needed(layer: Layer, n: int, cached: int, end: int = 0) -> list[int]:
-    """Tokens (state: rows marker [0]) D needs, listed one by one; with ``end`` > n the
-    range runs on to ``end`` (a padded tail)."""
+def needed(layer: Layer, n: int, cached: int, pad: tuple[int, int] | None = None) -> list[int]:
+    """Tokens (state: rows marker [0]) D needs, listed one by one. With ``pad = (bs_P,
+    bs_D)``: also every other token of the blocks that hold the first and the last of
+    them on both sides (never below ``cached``, never past either side's last block)."""
     if cached >= n:
         return []
     if layer.kind is Kind.STATE:
         return [0]
-    toks = list(range(cached, max(n, end)))
+    toks = list(range(cached, n))
     if layer.kind is Kind.SLIDING:
         toks = [t for t in toks if t >= n - (layer.window - 1)]
     if layer.kind is Kind.CHUNKED:
         toks = [t for t in toks if t >= n - n % layer.chunk]
+    if pad and toks:
+        first, last = toks[0], toks[-1]
+        lo = max([cached] + [first // bs * bs for bs in pad])
+        hi = min((last // bs + 1) * bs for bs in pad)
+        toks = list(range(lo, hi))
     return toks
 
 
@@ -150,14 +156,14 @@ def expected_dest(
     n: int,
     cached: int,
     tables: list[list[int]],
-    ends: list[int] | None = None,
+    pads: list[tuple[int, int]] | None = None,
 ) -> list[np.ndarray]:
     """What D rank ``rank``'s buffers must hold after the transfer (``before`` untouched).
-    ``ends[g]``: where group ``g``'s token range ends when the tail is padded."""
+    ``pads[g] = (bs_P, bs_D)``: group ``g``'s range padded to whole blocks."""
     out = [b.copy() for b in before]
 
     def wanted(layer: Layer) -> list[int]:
-        return needed(layer, n, cached, ends[spec.group_of(layer.index)] if ends else 0)
+        return needed(layer, n, cached, pads[spec.group_of(layer.index)] if pads else None)
 
     for region, addr, data in _visit(spec, par, rank, layout, wanted, tables):
         out[region][addr : addr + data.shape[0]] = data

@@ -81,12 +81,13 @@ def run_scenario(
     rng: np.random.Generator,
     shuffle: bool = True,
     tables: tuple[list[list[int]], list[list[int]]] | None = None,
-    pad_tail: bool = False,
+    pad_blocks: bool = False,
 ) -> dict[int, Plan]:
     """Fill P, plan and execute for every D rank, assert D bytes equal the reference.
 
-    ``pad_tail``: P's last blocks are filled to their end and D must hold, in each token
-    group, every token up to the end of the last block both sides hold."""
+    ``pad_blocks``: P's last blocks are filled to their end; in each token group a slot
+    of the blocks around the first and last needed token (see ``reference.needed``) may
+    hold P's bytes or keep its own, every other byte is checked as without padding."""
     p.allocate(rng)
     d.allocate(rng)
     if tables is None:
@@ -94,12 +95,12 @@ def run_scenario(
         d_tabs = random_tables(d.spec, n, d.num_blocks, rng, shuffle)
     else:
         p_tabs, d_tabs = tables
-    p_ends = [-(-n // g.block_size) * g.block_size for g in p.spec.groups] if pad_tail else None
-    d_ends = None
-    if p_ends is not None:
-        d_ends = [
-            min(e, -(-n // g.block_size) * g.block_size)
-            for e, g in zip(p_ends, d.spec.groups, strict=True)
+    p_ends = [-(-n // g.block_size) * g.block_size for g in p.spec.groups] if pad_blocks else None
+    pads = None
+    if pad_blocks:
+        pads = [
+            (pg.block_size, dg.block_size)
+            for pg, dg in zip(p.spec.groups, d.spec.groups, strict=True)
         ]
     fabric = Fabric()
     p_agents = []
@@ -114,7 +115,7 @@ def run_scenario(
         before = [b.copy() for b in d.bufs[r]]
         agent = LoopbackTransport(f"d{r}", fabric)
         agent.register([Region(int(b.ctypes.data), b.nbytes) for b in d.bufs[r]])
-        geom = Geometry(p.spec, d.spec, p.par, d.par, p_bound, d.bound(r), r, pad_tail)
+        geom = Geometry(p.spec, d.spec, p.par, d.par, p_bound, d.bound(r), r, pad_blocks)
         plan = geom.plan(n, p_tabs, d_tabs, cached)
         for src, runs in plan.runs.items():
             peer = agent.add_peer(p_agents[src].register([]))
@@ -124,8 +125,8 @@ def run_scenario(
         # padded: a padding slot may keep its bytes (the planner pads a bucket only where
         # that saves runs) or hold P's; every other byte is as without padding
         pad = want
-        if d_ends is not None:
-            pad = expected_dest(d.spec, d.par, r, d.layouts[r], before, n, cached, d_tabs, d_ends)
+        if pads is not None:
+            pad = expected_dest(d.spec, d.par, r, d.layouts[r], before, n, cached, d_tabs, pads)
         for i, (got, exp, alt) in enumerate(zip(d.bufs[r], want, pad, strict=True)):
             if not np.array_equal(got, exp) and not ((got == exp) | (got == alt)).all():
                 bad = np.flatnonzero((got != exp) & (got != alt))

@@ -66,7 +66,7 @@ class WorkerSide:
                 self.cfg.secret,
                 transfer_timeout_s=self.cfg.timeout_s,
                 model_id=self.cfg.model_id,
-                pad_tail=True,  # vLLM writes a slot before any read of it
+                pad_blocks=True,  # vLLM writes a slot before any read of it
             )
 
     def handshake_meta(self) -> RankMeta | None:
