@@ -245,3 +245,19 @@ def scramble_state(worker: Any, blocks: list[int]) -> tuple[int, int]:
             seen.add(x.untyped_storage().data_ptr())
             x[idx] = torch.randn(x[idx].shape, dtype=torch.float32).to(x.dtype)
     return layers, len(seen)
+
+
+def ssm_state_itemsize(worker: Any) -> int:
+    """For :meth:`Engine.rpc`: bytes per element of the Mamba / GDN SSM state as vLLM
+    keeps it (its CPU platform may switch a bf16 state to fp32, depending on the CPU)."""
+    cache = worker.vllm_config.cache_config
+    name = str(cache.mamba_ssm_cache_dtype)
+    if name == "auto":
+        return int(worker.vllm_config.model_config.dtype.itemsize)
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[name]
+
+
+def block_size(worker: Any) -> int:
+    """For :meth:`Engine.rpc`: the attention block size vLLM settled on (for hybrid
+    models it raises the one asked for until a block's page holds a Mamba state)."""
+    return int(worker.vllm_config.cache_config.block_size)

@@ -11,7 +11,10 @@ prompt token, through the cache. Made with ``transformers`` (a vLLM dependency).
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -119,15 +122,34 @@ def make_tokenizer(out: Path) -> None:
 
 
 def make_tiny_model(name: str, out: str | Path, seed: int = 0) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and a tokenizer of tiny model ``name``."""
+    """Write ``config.json``, ``model.safetensors`` and a tokenizer of tiny model ``name``.
+
+    Safe to call from several threads or processes at once: the model is written into a
+    private folder and renamed into place; a caller that loses the race uses the winner's.
+    """
     if name not in TINY:
         raise ConfigError(f"unknown tiny model {name!r}; known: {', '.join(sorted(TINY))}")
-    import torch
-    import transformers
-
     out = Path(out)
     if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _write_tiny(name, tmp, seed)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another caller put it there first (rename onto a non-empty dir)
+            if not (out / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_tiny(name: str, out: Path, seed: int) -> None:
+    import torch
+    import transformers
+
     config = transformers.AutoConfig.for_model(**{**_BASE, **TINY[name]})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -139,4 +161,3 @@ def make_tiny_model(name: str, out: str | Path, seed: int = 0) -> Path:
     data["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(data, indent=1))
     make_tokenizer(out)
-    return out

