@@ -38,21 +38,27 @@ def tp_ok(spec: ModelSpec, tp: int) -> bool:
     return True
 
 
+PAIRS = {
+    "spec": specs(),
+    "p_bs": st.sampled_from([1, 4, 8, 16, 12]),
+    "d_bs": st.sampled_from([4, 8, 16, 6]),
+    "p_lay": st.sampled_from(LAYOUTS),
+    "d_lay": st.sampled_from(LAYOUTS),
+    "n": st.integers(1, 70),
+    "cached_frac": st.floats(0, 1),
+    "shuffle": st.booleans(),
+    "seed": st.integers(0, 2**16),
+}
+"""Strategies shared by the property tests: model, block sizes, layouts, request."""
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=specs(),
     p_tp=st.sampled_from([1, 2, 3, 4]),
     d_tp=st.sampled_from([1, 2, 3, 4]),
     p_pp=st.integers(1, 2),
     d_pp=st.integers(1, 2),
-    p_bs=st.sampled_from([1, 4, 8, 16, 12]),
-    d_bs=st.sampled_from([4, 8, 16, 6]),
-    p_lay=st.sampled_from(LAYOUTS),
-    d_lay=st.sampled_from(LAYOUTS),
-    n=st.integers(1, 70),
-    cached_frac=st.floats(0, 1),
-    shuffle=st.booleans(),
-    seed=st.integers(0, 2**16),
+    **PAIRS,
 )
 def test_random_plans_match_the_reference(
     spec, p_tp, d_tp, p_pp, d_pp, p_bs, d_bs, p_lay, d_lay, n, cached_frac, shuffle, seed
@@ -70,25 +76,13 @@ def test_random_plans_match_the_reference(
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    spec=specs(),
-    p_tp=st.sampled_from([1, 2, 3]),
-    d_tp=st.sampled_from([1, 2, 4]),
-    p_bs=st.sampled_from([1, 4, 8, 16, 12]),
-    d_bs=st.sampled_from([4, 8, 16, 6]),
-    p_lay=st.sampled_from(LAYOUTS),
-    d_lay=st.sampled_from(LAYOUTS),
-    n=st.integers(1, 70),
-    cached_frac=st.floats(0, 1),
-    shuffle=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_padded_tails_match_the_reference_and_never_add_descriptors(
+@given(p_tp=st.sampled_from([1, 2, 3]), d_tp=st.sampled_from([1, 2, 4]), **PAIRS)
+def test_padded_blocks_match_the_reference_and_never_add_descriptors(
     spec, p_tp, d_tp, p_bs, d_bs, p_lay, d_lay, n, cached_frac, shuffle, seed
 ):
-    """``pad_blocks``: D holds every token up to the end of the last block both sides hold
-    (P's padding slots filled too, so where they land is checked), nothing past it; and
-    no plan posts more descriptors than the exact one."""
+    """``pad_blocks``: the needed tokens exact, a padding slot either untouched or holding
+    P's bytes for it (P's padding slots are filled, so where they land is checked),
+    nothing else touched; and no plan posts more descriptors than the exact one."""
     assume(tp_ok(spec, p_tp) and tp_ok(spec, d_tp))
     p = Side(spec.with_block_sizes(p_bs), Parallel(p_tp), p_lay, 300)
     d = Side(spec.with_block_sizes(d_bs), Parallel(d_tp), d_lay, 300)
