@@ -134,8 +134,9 @@ class Consumer:
         staging_bytes: int = 32 << 20,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
-        ``pad_blocks``: the engine tolerates writes past the prefilled tokens in a request's
-        last block (see :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs.
+        ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
+        first and last blocks that lie outside the tokens D needs (see
+        :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls of many small runs, split
         in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`)."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
