@@ -20,11 +20,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer, PeerCache
-from kvbridge.connector.staging import Chunk, CostModel, LocalMemory, StagingPool, chunks
+from kvbridge.connector.staging import Stager
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import (
     LeaseOp,
@@ -34,7 +32,7 @@ from kvbridge.control.messages import (
     PushRuns,
     tables_digest,
 )
-from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, TransferTimeout, TransportError
+from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.runs import Runs
@@ -145,12 +143,10 @@ class Consumer:
         self.timeout_s = transfer_timeout_s
         self.mode = mode
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
-        self.staging: StagingPool | None = None
+        self.stager: Stager | None = None
         if staging_bytes >= workers * 4096 and mode is Mode.PULL:
-            self.staging = StagingPool(workers, staging_bytes // workers)
-            self.memory = LocalMemory(regions)
-            self.costs = CostModel()
-        extra = [self.staging.region] if self.staging else []
+            self.stager = Stager(regions, workers, staging_bytes // workers)
+        extra = [self.stager.pool.region] if self.stager else []
         self.metadata = transport.register(regions + extra)
         self._notifs: set[bytes] = set()
         bound = Bound(layout, tuple(bases))
@@ -256,7 +252,7 @@ class Consumer:
     def _transfer(self, peer: Peer, runs: dict[int, Runs], job: _Load) -> None:
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
-        staged, slot = self._staging_choice(runs)
+        staged, slot = self.stager.choose(runs) if self.stager else ({}, None)
         handles = []
         try:
             for src, r in runs.items():
@@ -265,65 +261,20 @@ class Consumer:
                     handles.append(self.transport.read(peer.agents[src], d, s, n))
                     job.posted += len(r)
             job.lap("post")
-            if slot is not None:
-                self._staged(peer, staged, slot, job, deadline)
+            if self.stager is not None and slot is not None:
+                posted, moved = self.stager.pull(
+                    self.transport, peer.agents, staged, slot, deadline
+                )
+                job.posted += posted
+                job.staged_runs += moved
             for h in handles:
                 self.transport.wait(h, max(deadline - time.monotonic(), 0.0))
         finally:
             for h in handles:
                 h.release()
-        if self.staging is not None and not staged:
-            self.costs.learn(
-                job.posted, sum(r.nbytes for r in runs.values()), time.perf_counter() - t0
-            )
-
-    def _staging_choice(self, runs: dict[int, Runs]) -> tuple[dict[int, list[Chunk]], int | None]:
-        """Source ranks whose runs go through staging (the cost model's call), and the
-        slot they use; ``({}, None)`` for all direct."""
-        if self.staging is None:
-            return {}, None
-        out = {}
-        for src, r in runs.items():
-            if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
-                continue  # few or long runs: direct, without sorting them
-            try:
-                chs = chunks(r, self.staging.slot_bytes)
-            except TransportError:  # a run longer than a slot
-                continue
-            spans = sum(c.span_len.shape[0] for c in chs)
-            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs)):
-                out[src] = chs
-        slot = self.staging.take(0.01) if out else None
-        return (out, slot) if slot is not None else ({}, None)
-
-    def _staged(
-        self, peer: Peer, staged: dict[int, list[Chunk]], slot: int, job: _Load, deadline: float
-    ) -> None:
-        """READ each chunk's spans into the slot, wait, scatter its runs; the slot is
-        quarantined if a READ may still land in it."""
-        assert self.staging is not None
-        view = self.staging.view(slot)
-        base = np.int64(self.staging.region.addr + slot * self.staging.slot_bytes)
-        clean = False
-        try:
-            for src, chs in staged.items():
-                for ch in chs:
-                    h = self.transport.read(
-                        peer.agents[src],
-                        (ch.span_stage + base).view(np.uint64),
-                        ch.span_src.view(np.uint64),
-                        ch.span_len.view(np.uint64),
-                    )
-                    try:
-                        self.transport.wait(h, max(deadline - time.monotonic(), 0.0))
-                    finally:
-                        h.release()
-                    self.memory.scatter(ch.run_dst, view, ch.run_stage, ch.run_len)
-                    job.posted += ch.span_len.shape[0]
-                    job.staged_runs += ch.run_len.shape[0]
-            clean = True
-        finally:
-            self.staging.give_back(slot, clean)
+        if self.stager is not None and not staged:
+            nbytes = sum(r.nbytes for r in runs.values())
+            self.stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
 
     def _push(self, peer: Peer, request_id: str, runs: dict[int, Runs]) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
-from kvbridge.transport.base import Region
+from kvbridge.transport.base import Region, Transport
 
 DESC_COST_S = 2e-6
 """Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
@@ -198,3 +198,66 @@ class StagingPool:
 
     def view(self, slot: int) -> np.ndarray:
         return self.buf[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+
+
+class Stager:
+    """D's staged pulls: a slot pool registered with the consumer's transport, writable
+    views of D's regions and the cost model that picks staged or direct per request."""
+
+    def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
+        self.pool = StagingPool(slots, slot_bytes)
+        self.memory = LocalMemory(regions)
+        self.costs = CostModel()
+
+    def choose(self, runs: dict[int, Runs]) -> tuple[dict[int, list[Chunk]], int | None]:
+        """Source ranks whose runs go through staging, and the slot they will use;
+        ``({}, None)``: all direct (also when no slot frees up within 10 ms)."""
+        out = {}
+        for src, r in runs.items():
+            if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
+                continue  # few or long runs: direct, without sorting them
+            try:
+                chs = chunks(r, self.pool.slot_bytes)
+            except TransportError:  # a run longer than a slot
+                continue
+            spans = sum(c.span_len.shape[0] for c in chs)
+            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs)):
+                out[src] = chs
+        slot = self.pool.take(0.01) if out else None
+        return (out, slot) if slot is not None else ({}, None)
+
+    def pull(
+        self,
+        transport: Transport,
+        agents: dict[int, str],
+        staged: dict[int, list[Chunk]],
+        slot: int,
+        deadline: float,
+    ) -> tuple[int, int]:
+        """READ each chunk's spans into ``slot``, wait (until ``deadline``, monotonic),
+        scatter its runs; ``(descriptors posted, runs moved)``. The slot is quarantined
+        if a READ may still land in it."""
+        view = self.pool.view(slot)
+        base = np.int64(self.pool.region.addr + slot * self.pool.slot_bytes)
+        posted = moved = 0
+        clean = False
+        try:
+            for src, chs in staged.items():
+                for ch in chs:
+                    h = transport.read(
+                        agents[src],
+                        (ch.span_stage + base).view(np.uint64),
+                        ch.span_src.view(np.uint64),
+                        ch.span_len.view(np.uint64),
+                    )
+                    try:
+                        transport.wait(h, max(deadline - time.monotonic(), 0.0))
+                    finally:
+                        h.release()
+                    self.memory.scatter(ch.run_dst, view, ch.run_stage, ch.run_len)
+                    posted += ch.span_len.shape[0]
+                    moved += ch.run_len.shape[0]
+            clean = True
+        finally:
+            self.pool.give_back(slot, clean)
+        return posted, moved

@@ -96,12 +96,7 @@ def run_scenario(
     else:
         p_tabs, d_tabs = tables
     p_ends = [-(-n // g.block_size) * g.block_size for g in p.spec.groups] if pad_blocks else None
-    pads = None
-    if pad_blocks:
-        pads = [
-            (pg.block_size, dg.block_size)
-            for pg, dg in zip(p.spec.groups, d.spec.groups, strict=True)
-        ]
+    pads = [(a.block_size, b.block_size) for a, b in zip(p.spec.groups, d.spec.groups, strict=True)]
     fabric = Fabric()
     p_agents = []
     for r in range(p.par.world):
@@ -121,17 +116,29 @@ def run_scenario(
             peer = agent.add_peer(p_agents[src].register([]))
             s, dd, ln = runs.as_uint64()
             agent.read(peer, dd, s, ln)
-        want = expected_dest(d.spec, d.par, r, d.layouts[r], before, n, cached, d_tabs)
-        # padded: a padding slot may keep its bytes (the planner pads a bucket only where
-        # that saves runs) or hold P's; every other byte is as without padding
-        pad = want
-        if pads is not None:
-            pad = expected_dest(d.spec, d.par, r, d.layouts[r], before, n, cached, d_tabs, pads)
-        for i, (got, exp, alt) in enumerate(zip(d.bufs[r], want, pad, strict=True)):
-            if not np.array_equal(got, exp) and not ((got == exp) | (got == alt)).all():
-                bad = np.flatnonzero((got != exp) & (got != alt))
-                raise AssertionError(
-                    f"D rank {r} region {i}: {bad.shape[0]} bytes differ, first at {bad[0]}"
-                )
+        _check_dest(d, r, before, n, cached, d_tabs, pads if pad_blocks else None)
         plans[r] = plan
     return plans
+
+
+def _check_dest(
+    d: Side,
+    r: int,
+    before: list[np.ndarray],
+    n: int,
+    cached: int,
+    d_tabs: list[list[int]],
+    pads: list[tuple[int, int]] | None,
+) -> None:
+    """D rank ``r``'s bytes equal the reference; with ``pads``, a padding slot may keep
+    its bytes (the planner pads a bucket only where that saves runs) or hold P's."""
+    want = expected_dest(d.spec, d.par, r, d.layouts[r], before, n, cached, d_tabs)
+    alt = want
+    if pads is not None:
+        alt = expected_dest(d.spec, d.par, r, d.layouts[r], before, n, cached, d_tabs, pads)
+    for i, (got, exp, pad) in enumerate(zip(d.bufs[r], want, alt, strict=True)):
+        if not np.array_equal(got, exp) and not ((got == exp) | (got == pad)).all():
+            bad = np.flatnonzero((got != exp) & (got != pad))
+            raise AssertionError(
+                f"D rank {r} region {i}: {bad.shape[0]} bytes differ, first at {bad[0]}"
+            )
