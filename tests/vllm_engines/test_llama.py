@@ -51,7 +51,7 @@ def test_prefix_cached_on_d_moves_only_the_rest(engines: tuple[Engine, ...]) -> 
 
 def test_prompt_cached_on_d_releases_p_at_once(engines: tuple[Engine, ...]) -> None:
     """D's cache already holds the whole prompt: nothing moves, and P frees the request's
-    blocks on its next steps instead of holding them until the lease expires (30 s)."""
+    blocks on its next steps instead of holding them until the lease expires (90 s here)."""
     a, b = engines
     [full] = prompts(5, (257,))  # D (block 128) caches 256 tokens: all P hands over
     ref = b.generate([full], 16)[0].tokens

@@ -5,7 +5,8 @@
     secret      shared HMAC key of the side channel (or env ``KVBRIDGE_SECRET``)
     host        address P's side channel binds and advertises (default 127.0.0.1)
     port        its port (default 0: any free port)
-    lease_s     how long P holds a prefilled request's blocks for D (default 30)
+    lease_s     how long P holds a prefilled request's blocks for D (default 60: it must
+                outlive a first NIXL connection, seen to block for up to 31 s)
     timeout_s   D's deadline for one request's transfer and for each side-channel call
                 to P (handshake, lease, push; default 10)
     model_id    what this engine serves; P and D must agree (default: a fingerprint of
@@ -31,7 +32,7 @@ class ConnectorConfig:
     secret: bytes
     host: str = "127.0.0.1"
     port: int = 0
-    lease_s: float = 30.0
+    lease_s: float = 60.0
     timeout_s: float = 10.0
     model_id: str = ""
 
@@ -74,7 +75,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             secret.encode(),
             str(extra.get("host", "127.0.0.1")),
             int(extra.get("port", 0)),
-            float(extra.get("lease_s", 30.0)),
+            float(extra.get("lease_s", 60.0)),
             float(extra.get("timeout_s", 10.0)),
             str(extra.get("model_id") or (model_fingerprint(hf_config) if hf_config else "")),
         )
