@@ -185,3 +185,35 @@ def test_200_concurrent_requests():
         assert pair.producer.leases.held() == 0
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_no_byte_lands_after_a_failure_is_reported(mode, monkeypatch):
+    """A P rank stopped (SIGSTOP) mid-request over TCP, the way a second host is reached:
+    the transfer outlives D's 2 s deadline and cannot be cancelled. D holds the failure
+    back until the transfer ended (pull: the READ; push: the P rank says its write
+    ended), then reports it; D's blocks, reused from then on, see no late byte."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # shared memory would not stall on a stopped P
+    pair = Pair(hybrid(), 2, 1, "hnd", "nhd", timeout_s=2.0, mode=mode)
+    try:
+        handle, d_tabs = pair.prefill("warm", 40)
+        pair.load(handle, d_tabs)
+        assert pair.wait(["warm"])[0]["warm"].ok
+        handle, d_tabs = pair.prefill("late", 64)
+        stopped = pair.p.ranks[0].proc.pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            pair.load(handle, d_tabs, snap=False)
+            assert pair.wait(["late"], timeout=5.0) == [{}]  # deadline passed, still held
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        t0 = time.monotonic()
+        (outs,) = pair.wait(["late"], timeout=15.0)
+        assert "late" in outs and not outs["late"].ok, outs
+        assert outs["late"].stages.get("fence", 0) > 2.0, outs["late"].stages
+        assert time.monotonic() - t0 < 5.0
+        pair.d.broadcast("scribble")  # the engine reuses the blocks
+        time.sleep(1.0)
+        assert pair.d.broadcast("changed") == [0]
+    finally:
+        pair.close()

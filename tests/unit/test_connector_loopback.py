@@ -13,7 +13,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector.consumer import Consumer, Outcome
+from kvbridge.connector.consumer import Consumer, Mode, Outcome
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control.channel import Client
@@ -55,6 +55,7 @@ class World:
         d_tp: int = 1,
         timeout_s: float = 5.0,
         staging_bytes: int = 32 << 20,
+        mode: Mode = Mode.PULL,
     ):
         self.rng = np.random.default_rng(7)
         self.p = Side(SPEC, Parallel(p_tp), "hnd", 32)
@@ -63,10 +64,14 @@ class World:
         self.d.allocate(self.rng)
         self.fabric = Fabric()
         self.producer = Producer("P", SPEC, self.p.par, SECRET, lease_s=lease_s)
+        self.workers: list[ProducerWorker] = []
         for r in range(p_tp):
             agent = LoopbackTransport(f"p{r}", self.fabric)
             bases = list(self.p.bound(r).bases)
-            self.producer.add_rank(ProducerWorker(r, self.p.layouts[r], bases, agent).info)
+            push = (SECRET, "127.0.0.1", timeout_s) if mode is Mode.PUSH else (None,)
+            worker = ProducerWorker(r, self.p.layouts[r], bases, agent, *push)  # type: ignore[arg-type]
+            self.workers.append(worker)
+            self.producer.add_rank(worker.info)
         self.consumers = [
             Consumer(
                 "D",
@@ -79,6 +84,7 @@ class World:
                 SECRET,
                 transfer_timeout_s=timeout_s,
                 staging_bytes=staging_bytes,
+                mode=mode,
             )
             for r in range(d_tp)
         ]
@@ -103,6 +109,8 @@ class World:
     def close(self) -> None:
         for c in self.consumers:
             c.close()
+        for w in self.workers:
+            w.close()
         self.producer.close()
 
 

@@ -7,7 +7,8 @@ runs its state machine and :meth:`Consumer.poll` returns finished and failed req
        └──────────┴──────────┴─────────┴──► FAILED   (any error, deadline or lapsed lease)
 
 VERIFY asks P whether the lease was still held after the last byte landed; only then is
-the request DONE. While QUEUED, the lease is renewed.
+the request DONE. While QUEUED, the lease is renewed. A FAILED load whose transfers may
+still land is reported only once they ended (:mod:`kvbridge.connector.fence`).
 """
 
 from __future__ import annotations
@@ -20,25 +21,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvbridge.connector.fence import Check, Fence, Held
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer, PeerCache
+from kvbridge.connector.push import push_fence_checks, push_runs
 from kvbridge.connector.staging import Stager
 from kvbridge.control.channel import Client
-from kvbridge.control.messages import (
-    LeaseOp,
-    LeaseOpName,
-    LeaseReply,
-    PushReply,
-    PushRuns,
-    tables_digest,
-)
+from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
 from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Region, Transport
+from kvbridge.transport.base import Region, Transport, XferHandle
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +96,14 @@ class _Load:
     mark: float = field(default_factory=time.perf_counter)
     posted: int = 0
     staged_runs: int = 0
+    peer: Peer | None = None
+    live: list[XferHandle] = field(default_factory=list)
+    """Transfers still running when the load failed (fenced until they end)."""
+    slot: int | None = None
+    """The staging slot a live READ may still write into."""
+    pushed: list[int] = field(default_factory=list)
+    """P ranks asked to write (push): each must say its writes ended before a failure
+    is reported."""
 
     def move(self, to: LoadState) -> None:
         assert to in TRANSITIONS[self.state], (self.state, to)
@@ -167,6 +171,8 @@ class Consumer:
         self._loads: dict[str, _Load] = {}
         self._done: list[Outcome] = []
         self._stop = threading.Event()
+        self.fence = Fence(transport, self._deliver)
+        self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
         self._renewer = threading.Thread(target=self._renew_loop, daemon=True)
         self._renewer.start()
 
@@ -204,7 +210,7 @@ class Consumer:
         job.lap("queue")
         try:
             job.move(LoadState.HANDSHAKE)
-            peer = self.peers.get(job.handle)
+            peer = job.peer = self.peers.get(job.handle)
             job.lap("handshake")
             self._lease(peer, job, "begin")
             job.lap("lease")
@@ -214,7 +220,7 @@ class Consumer:
             job.lap("plan")
             job.move(LoadState.TRANSFER)
             if self.mode is Mode.PUSH:
-                self._push(peer, job.handle.request_id, plan.runs)
+                self._push(peer, job, plan.runs)
             else:
                 self._transfer(peer, plan.runs, job)
             job.lap("transfer")
@@ -235,7 +241,7 @@ class Consumer:
             if not isinstance(e, KVBridgeError):
                 log.exception("load of %s failed", job.handle.request_id)
             job.state = LoadState.FAILED
-            self._report_failure(job)
+            self._tell_p.submit(self._report_failure, job)
             out = Outcome(
                 job.handle.request_id,
                 False,
@@ -245,15 +251,32 @@ class Consumer:
                 error=f"{type(e).__name__}: {e}",
                 stages=job.stages,
             )
+            self.fence.hold(self._held(job, out))
+            return
+        self._deliver(out)
+
+    def _deliver(self, out: Outcome) -> None:
         with self._lock:
-            self._loads.pop(job.handle.request_id, None)
+            self._loads.pop(out.request_id, None)
             self._done.append(out)
+
+    def _held(self, job: _Load, out: Outcome) -> Held:
+        """What must end before ``out`` (a failure) may reach the engine."""
+        on_end = []
+        if job.slot is not None and self.stager is not None:
+            pool, slot = self.stager.pool, job.slot
+            on_end.append(lambda: pool.give_back(slot, True))
+        checks: list[Check] = []
+        if job.pushed and job.peer is not None:
+            checks, closers = push_fence_checks(job.peer, job.handle.request_id, job.pushed)
+            on_end += closers
+        return Held(out, job.live, checks, on_end)
 
     def _transfer(self, peer: Peer, runs: dict[int, Runs], job: _Load) -> None:
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
         staged, slot = self.stager.choose(runs) if self.stager else ({}, None)
-        handles = []
+        handles: list[XferHandle] = []
         try:
             for src, r in runs.items():
                 if src not in staged:
@@ -262,30 +285,29 @@ class Consumer:
                     job.posted += len(r)
             job.lap("post")
             if self.stager is not None and slot is not None:
-                posted, moved = self.stager.pull(
-                    self.transport, peer.agents, staged, slot, deadline
-                )
+                staged_live: list[XferHandle] = []
+                try:
+                    posted, moved = self.stager.pull(
+                        self.transport, peer.agents, staged, slot, deadline, staged_live
+                    )
+                finally:
+                    if staged_live:
+                        job.live += staged_live
+                        job.slot = slot
                 job.posted += posted
                 job.staged_runs += moved
             for h in handles:
-                self.transport.wait(h, max(deadline - time.monotonic(), 0.0))
-        finally:
-            for h in handles:
-                h.release()
+                self.transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
+        except BaseException:
+            job.live += [h for h in handles if not self.transport.ended(h)]
+            raise
         if self.stager is not None and not staged:
             nbytes = sum(r.nbytes for r in runs.values())
             self.stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
 
-    def _push(self, peer: Peer, request_id: str, runs: dict[int, Runs]) -> None:
+    def _push(self, peer: Peer, job: _Load, runs: dict[int, Runs]) -> None:
         deadline = time.monotonic() + self.timeout_s
-        want = set()
-        for src, r in runs.items():
-            notif = f"kvb:{request_id}:{src}:{self.rank}".encode()
-            s, d, n = (a.astype("<u8").tobytes() for a in r.as_uint64())
-            reply = peer.rank_client(src).call(PushRuns(request_id, self.metadata, s, d, n, notif))
-            if not isinstance(reply, PushReply):
-                raise PeerError(f"push: unexpected reply {type(reply).__name__}")
-            want.add(notif)
+        want = push_runs(peer, job.handle.request_id, runs, self.rank, self.metadata, job.pushed)
         while True:
             with self._lock:
                 self._notifs.update(m for _, m in self.transport.notifications())
@@ -355,4 +377,7 @@ class Consumer:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._renewer.join(timeout=2)
+        for item in self.fence.close():
+            log.warning("closing with %s still fenced", item.outcome.request_id)
+        self._tell_p.shutdown(wait=False, cancel_futures=True)
         self.peers.close()

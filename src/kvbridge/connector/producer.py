@@ -9,6 +9,7 @@ instance, scheduler side) serves handshakes and leases on the side channel, retu
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 
 import numpy as np
 
@@ -17,29 +18,37 @@ from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
 from kvbridge.control.messages import (
     PROTOCOL_VERSION,
+    FenceReply,
     Handshake,
     HandshakeReply,
     LeaseOp,
     Message,
+    PushFence,
     PushReply,
     PushRuns,
     RankInfo,
     tables_digest,
     wire_layout,
 )
-from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError
+from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Region, Transport
+from kvbridge.transport.base import Region, Transport, XferHandle
 
 
 class ProducerWorker:
     """Registers one P rank's regions (``bases[i]`` holds ``layout.regions[i]`` bytes).
 
     With a ``secret`` it also serves push requests on its own side channel: D sends the
-    runs it planned, this rank writes them into D and notifies D when they landed.
+    runs it planned, this rank writes them into D and notifies D when they landed. A
+    write still running at its deadline is kept (not released: that would not cancel
+    it) until D asks :class:`PushFence`; the answer says whether it ended, and the rank
+    refuses any later push of a fenced request (D fences before it reports a failure).
     """
+
+    FENCED_KEPT = 65536
+    """Fenced request ids remembered (oldest forgotten first)."""
 
     def __init__(
         self,
@@ -55,6 +64,8 @@ class ProducerWorker:
         self.transport = transport
         self.timeout_s = push_timeout_s
         self._peers: dict[bytes, str] = {}
+        self._running: dict[str, list[XferHandle]] = {}
+        self._fenced: OrderedDict[str, None] = OrderedDict()
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
         meta = transport.register(regions)
         self.server = Server(self._handle, secret, host) if secret is not None else None
@@ -62,16 +73,34 @@ class ProducerWorker:
         self.info = wire_layout(rank, layout, bases, meta, endpoint)
 
     def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, PushFence):
+            return self._fence(msg.request_id)
         if not isinstance(msg, PushRuns):
             raise PeerError(f"P rank {self.rank} serves push requests, not {type(msg).__name__}")
+        if msg.request_id in self._fenced:
+            raise PeerError(f"push of {msg.request_id!r} refused: D fenced it after a failure")
         src, dst, n = (np.frombuffer(b, dtype="<u8") for b in (msg.src, msg.dst, msg.nbytes))
         if not src.shape == dst.shape == n.shape:
             raise PeerError(f"push arrays differ in length: {src.shape} {dst.shape} {n.shape}")
         peer = self._peers.get(msg.d_agent)
         if peer is None:
             peer = self._peers[msg.d_agent] = self.transport.add_peer(msg.d_agent)
-        self.transport.wait(self.transport.write(peer, src, dst, n, msg.notif), self.timeout_s)
+        handle = self.transport.write(peer, src, dst, n, msg.notif)
+        try:
+            self.transport.wait_or_keep(handle, self.timeout_s)
+        except TransferTimeout:
+            self._running.setdefault(msg.request_id, []).append(handle)
+            raise
         return PushReply(int(src.shape[0]))
+
+    def _fence(self, request_id: str) -> FenceReply:
+        self._fenced[request_id] = None
+        while len(self._fenced) > self.FENCED_KEPT:
+            self._fenced.popitem(last=False)
+        left = [h for h in self._running.pop(request_id, []) if not self.transport.ended(h)]
+        if left:
+            self._running[request_id] = left
+        return FenceReply(request_id, not left)
 
     def close(self) -> None:
         if self.server is not None:

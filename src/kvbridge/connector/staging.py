@@ -8,10 +8,11 @@ contiguous (a P block's rows follow each other), so sorted by source they join i
 span per P block or longer; D reads the spans, then numpy moves each run from the
 staging slot to its block in one vectorised copy per run length.
 
-Safety: a staging slot whose READ did not finish (deadline, error) is never reused
-(quarantined for the life of the consumer): a late byte lands there, not in a block D's
-engine may have handed to another request. Scatter happens only after the READ of that
-chunk completed, before the request is reported.
+Safety: a staging slot whose READ is still running at the deadline is not reused
+until that READ ended (the consumer's fence gives it back, see
+:mod:`kvbridge.connector.fence`): a late byte lands there, not in a block D's engine
+may have handed to another request. Scatter happens only after the READ of that chunk
+completed, before the request is reported.
 
 Whether a request is staged is the cost model's call (:class:`CostModel`): the copy's
 costs are measured when the consumer starts, the per-descriptor cost of the transport
@@ -28,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.errors import TransportError
+from kvbridge.errors import TransferTimeout, TransportError
 from kvbridge.plan.runs import Runs
-from kvbridge.transport.base import Region, Transport
+from kvbridge.transport.base import Region, Transport, XferHandle
 
 DESC_COST_S = 2e-6
 """Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
@@ -233,14 +234,16 @@ class Stager:
         staged: dict[int, list[Chunk]],
         slot: int,
         deadline: float,
+        live: list[XferHandle],
     ) -> tuple[int, int]:
         """READ each chunk's spans into ``slot``, wait (until ``deadline``, monotonic),
-        scatter its runs; ``(descriptors posted, runs moved)``. The slot is quarantined
-        if a READ may still land in it."""
+        scatter its runs; ``(descriptors posted, runs moved)``. A READ still running at
+        the deadline is appended to ``live`` and the slot is then not given back: the
+        caller gives it back (:meth:`StagingPool.give_back`) once that READ ended."""
         view = self.pool.view(slot)
         base = np.int64(self.pool.region.addr + slot * self.pool.slot_bytes)
         posted = moved = 0
-        clean = False
+        running = False
         try:
             for src, chs in staged.items():
                 for ch in chs:
@@ -251,13 +254,15 @@ class Stager:
                         ch.span_len.view(np.uint64),
                     )
                     try:
-                        transport.wait(h, max(deadline - time.monotonic(), 0.0))
-                    finally:
-                        h.release()
+                        transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
+                    except TransferTimeout:
+                        live.append(h)
+                        running = True
+                        raise
                     self.memory.scatter(ch.run_dst, view, ch.run_stage, ch.run_len)
                     posted += ch.span_len.shape[0]
                     moved += ch.run_len.shape[0]
-            clean = True
         finally:
-            self.pool.give_back(slot, clean)
+            if not running:
+                self.pool.give_back(slot, True)
         return posted, moved

@@ -16,7 +16,7 @@ import msgspec
 from kvbridge.errors import LayoutError, PeerError
 from kvbridge.layout.view import RankLayout, View
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -113,12 +113,35 @@ class PushReply(msgspec.Struct, tag="push_reply", frozen=True):
     runs: int
 
 
+class PushFence(msgspec.Struct, tag="push_fence", frozen=True):
+    """D → P rank after a failed push: are your writes for ``request_id`` over? From
+    then on the rank refuses any push of that request."""
+
+    request_id: str
+
+
+class FenceReply(msgspec.Struct, tag="fence_reply", frozen=True):
+    request_id: str
+    ended: bool
+    """No write of the request is running on this rank (none can land any more)."""
+
+
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     kind: str
     message: str
 
 
-Message = Handshake | HandshakeReply | LeaseOp | LeaseReply | PushRuns | PushReply | ErrorReply
+Message = (
+    Handshake
+    | HandshakeReply
+    | LeaseOp
+    | LeaseReply
+    | PushRuns
+    | PushReply
+    | PushFence
+    | FenceReply
+    | ErrorReply
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)

@@ -60,6 +60,10 @@ class RankWorker:
         for b in self.bufs:
             b[:] = 0xAB
 
+    def cmd_changed(self) -> int:
+        """Bytes that differ from :meth:`cmd_scribble`'s pattern (a late write)."""
+        return sum(int((b != 0xAB).sum()) for b in self.bufs)
+
     def cmd_load(self, handle: bytes, tables: list[list[int]], cached: int, snap: bool) -> None:
         assert self.consumer is not None
         h = TransferHandle.from_bytes(handle)

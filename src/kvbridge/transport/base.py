@@ -84,7 +84,18 @@ class Transport(abc.ABC):
         """Poll ``handle`` until done, at most ``timeout_s`` s (sleeps 10 µs → 1 ms); release it.
 
         :class:`~kvbridge.errors.TransferTimeout` on expiry, ``TransportError`` if it failed.
+        A transfer still running at expiry is released too: use :meth:`wait_or_keep` where
+        its bytes must not land unnoticed (releasing does not cancel it).
         """
+        try:
+            self.wait_or_keep(handle, timeout_s)
+        finally:
+            handle.release()
+
+    def wait_or_keep(self, handle: XferHandle, timeout_s: float) -> None:
+        """As :meth:`wait`, but a transfer still running at expiry stays posted (not
+        released): the caller keeps polling it (:meth:`ended`) until it ends, because
+        neither transport can cancel one. Released when it finished or failed."""
         deadline = time.monotonic() + timeout_s
         pause = 10e-6
         try:
@@ -94,8 +105,23 @@ class Transport(abc.ABC):
                     raise TransferTimeout(f"{handle!r} not done after {timeout_s:.3f} s")
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 1e-3)
-        finally:
+        except TransferTimeout:
+            raise
+        except BaseException:
             handle.release()
+            raise
+        handle.release()
+
+    def ended(self, handle: XferHandle) -> bool:
+        """True once no byte of ``handle`` can land any more (done, or failed as the
+        transport reports it); then it is released. False while it may still run."""
+        try:
+            if self.poll(handle) is not XferState.DONE:
+                return False
+        except TransportError:
+            pass
+        handle.release()
+        return True
 
     @abc.abstractmethod
     def notifications(self) -> list[tuple[str, bytes]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -33,6 +34,8 @@ class _Handle(XferHandle):
     def __init__(self, state: XferState, error: str = "") -> None:
         self.state = state
         self.error = error
+        self.run: Callable[[], None] | None = None
+        """A stalled transfer's copy, run when its peer resumes."""
 
     def release(self) -> None:
         pass
@@ -48,7 +51,20 @@ class LoopbackTransport(Transport):
         self.ends = np.zeros(0, np.int64)
         self.peers: set[str] = set()
         self.inbox: deque[tuple[str, bytes]] = deque()
+        self.stalled: dict[str, list[_Handle]] = {}
         fabric.agents[name] = self
+
+    def stall(self, peer: str) -> None:
+        """Test double of a stopped peer or a cut link: transfers with ``peer`` posted
+        from now on stay pending (release does not cancel them) until :meth:`resume`."""
+        self.stalled.setdefault(peer, [])
+
+    def resume(self, peer: str) -> None:
+        """Land every transfer stalled on ``peer`` (late bytes, as over a real link)."""
+        for h in self.stalled.pop(peer, []):
+            assert h.run is not None
+            h.run()
+            h.state, h.run = XferState.DONE, None
 
     def register(self, regions: list[Region]) -> bytes:
         host_only(regions, self.name)
@@ -109,10 +125,20 @@ class LoopbackTransport(Transport):
         remote_owner, local_owner = (other, self) if pull else (self, other)
         remote_owner.check_inside(src_i, n, "source")
         local_owner.check_inside(dst_i, n, "destination")
-        for s, d, k in zip(src_i.tolist(), dst_i.tolist(), n.tolist(), strict=True):
-            ctypes.memmove(d, s, k)
-        if notif is not None:
-            other.inbox.append((self.name, notif))
+        runs = list(zip(src_i.tolist(), dst_i.tolist(), n.tolist(), strict=True))
+
+        def run() -> None:
+            for s, d, k in runs:
+                ctypes.memmove(d, s, k)
+            if notif is not None:
+                other.inbox.append((self.name, notif))
+
+        if peer in self.stalled:
+            handle = _Handle(XferState.PENDING)
+            handle.run = run
+            self.stalled[peer].append(handle)
+            return handle
+        run()
         return _Handle(XferState.DONE)
 
     def check_inside(self, addr: np.ndarray, n: np.ndarray, what: str) -> None:

@@ -1,0 +1,119 @@
+"""A failed load is reported only once none of its bytes can land (the fence).
+
+The loopback transport's ``stall(peer)`` keeps transfers with that peer pending, and
+``resume`` lands them late, as a stopped P rank or a cut link does over TCP (measured
+with NIXL: releasing or removing the peer does not stop a READ). Before the fence, D
+reported these loads failed at the deadline and the late bytes then overwrote blocks
+the engine had been told were free.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvbridge.connector.consumer import Mode
+from kvbridge.transport.loopback import LoopbackTransport
+from tests.unit.test_connector_loopback import World
+
+SCRIBBLE = 0xAB
+
+
+def d_transport(w: World) -> LoopbackTransport:
+    t = w.consumers[0].transport
+    assert isinstance(t, LoopbackTransport)
+    return t
+
+
+def scribble(w: World) -> None:
+    for b in w.d.bufs[0]:
+        b[:] = SCRIBBLE
+
+
+def untouched(w: World) -> bool:
+    return all(bool((b == SCRIBBLE).all()) for b in w.d.bufs[0])
+
+
+def stall_then_resume(w: World, stalled: list[LoopbackTransport], peers: list[str]) -> None:
+    """Load a request while ``stalled`` hold transfers to ``peers``; check the outcome
+    is held past the deadline, resume, then check it is delivered (failed) and that
+    nothing lands in D's memory once the engine could reuse it."""
+    for t in stalled:
+        for p in peers:
+            t.stall(p)
+    handle, d_tabs = w.request("late", 120)
+    c = w.consumers[0]
+    c.load(handle, d_tabs)
+    time.sleep(1.2)  # deadline 0.3 s: a failure, but bytes may still land
+    assert c.poll() == [] and c.fence.held() == 1 and c.pending() == 1
+    t0 = time.monotonic()
+    for t in stalled:
+        for p in peers:
+            t.resume(p)  # the late bytes land now, before the engine hears of the request
+    (out,) = w.wait(timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert not out.ok and out.stages["fence"] > 0.8, out
+    assert c.fence.held() == 0 and c.pending() == 0
+    scribble(w)  # the engine reuses the blocks
+    time.sleep(0.2)
+    assert untouched(w)
+
+
+def test_pull_failure_is_held_until_the_read_ended():
+    w = World(timeout_s=0.3, staging_bytes=0)
+    try:
+        stall_then_resume(w, [d_transport(w)], ["p0", "p1"])
+    finally:
+        w.close()
+
+
+def test_staged_pull_failure_gives_its_slot_back_once_the_read_ended():
+    w = World(timeout_s=0.3)
+    try:
+        stager = w.consumers[0].stager
+        assert stager is not None
+        stall_then_resume(w, [d_transport(w)], ["p0", "p1"])
+        assert stager.pool._free.qsize() == 2  # both slots free again
+        handle, d_tabs = w.request("after", 200)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok and out.staged_runs > 0, out
+    finally:
+        w.close()
+
+
+def test_push_failure_is_held_until_each_p_rank_says_its_writes_ended():
+    w = World(timeout_s=0.3, mode=Mode.PUSH)
+    try:
+        writers = [wk.transport for wk in w.workers]
+        assert all(isinstance(t, LoopbackTransport) for t in writers)
+        stall_then_resume(w, writers, ["d0"])  # type: ignore[arg-type]
+    finally:
+        w.close()
+
+
+def test_a_fenced_push_is_refused_by_the_p_rank():
+    w = World(timeout_s=0.3, mode=Mode.PUSH)
+    try:
+        from kvbridge.control.messages import PushFence, PushRuns
+
+        client = w.consumers[0].peers
+        handle, d_tabs = w.request("x", 40)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok
+        peer = client.known(handle)
+        assert peer is not None
+        ch = peer.rank_client(0)
+        assert ch.call(PushFence("y")).ended  # type: ignore[union-attr]
+        empty = np.zeros(0, "<u8").tobytes()
+        d_meta = w.consumers[0].metadata
+        try:
+            ch.call(PushRuns("y", d_meta, empty, empty, empty, b"n"))
+        except Exception as e:  # noqa: BLE001
+            assert "fenced" in str(e)
+        else:
+            raise AssertionError("a push of a fenced request was accepted")
+    finally:
+        w.close()
