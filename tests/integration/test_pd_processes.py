@@ -148,8 +148,11 @@ def test_faults_lease_lapse_abort_dead_d():
         pair.close()
 
 
-def test_p_rank_killed_during_transfers_fails_within_deadline():
-    pair = Pair(hybrid(), 2, 1, "nhd", "hnd", timeout_s=3.0)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_p_rank_killed_during_transfers_fails_within_deadline(mode):
+    """Push: the dead rank never answers the fence; a 1-byte READ from it fails, which
+    shows nothing of it can land, so the failure is not held for ever."""
+    pair = Pair(hybrid(), 2, 1, "nhd", "hnd", timeout_s=3.0, mode=mode)
     try:
         handle, d_tabs = pair.prefill("ok", 40)
         pair.load(handle, d_tabs)

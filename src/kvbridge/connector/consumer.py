@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kvbridge.connector.fence import Check, Fence, Held
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer, PeerCache
-from kvbridge.connector.push import push_fence_checks, push_runs
+from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
 from kvbridge.connector.staging import Stager
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
@@ -150,7 +150,8 @@ class Consumer:
         self.stager: Stager | None = None
         if staging_bytes >= workers * 4096 and mode is Mode.PULL:
             self.stager = Stager(regions, workers, staging_bytes // workers)
-        extra = [self.stager.pool.region] if self.stager else []
+        self._probe = ProbeArea()
+        extra = [self.stager.pool.region if self.stager else self._probe.region]
         self.metadata = transport.register(regions + extra)
         self._notifs: set[bytes] = set()
         bound = Bound(layout, tuple(bases))
@@ -192,7 +193,11 @@ class Consumer:
 
     def _release(self, job: _Load) -> None:
         try:
-            self._lease(self.peers.get(job.handle), job, "confirm")
+            peer = self.peers.get(job.handle)
+            try:
+                self._lease(peer, job, "confirm")
+            finally:
+                self.peers.done(peer)
         except KVBridgeError as e:
             log.warning("release of %s at P failed: %s", job.handle.request_id, e)
 
@@ -253,6 +258,7 @@ class Consumer:
             )
             self.fence.hold(self._held(job, out))
             return
+        self.peers.done(peer)
         self._deliver(out)
 
     def _deliver(self, out: Outcome) -> None:
@@ -266,9 +272,13 @@ class Consumer:
         if job.slot is not None and self.stager is not None:
             pool, slot = self.stager.pool, job.slot
             on_end.append(lambda: pool.give_back(slot, True))
+        if job.peer is not None:
+            peers, peer = self.peers, job.peer
+            on_end.append(lambda: peers.done(peer))
         checks: list[Check] = []
         if job.pushed and job.peer is not None:
-            checks, closers = push_fence_checks(job.peer, job.handle.request_id, job.pushed)
+            rid, probe = job.handle.request_id, self._probe.region.addr
+            checks, closers = push_fence_checks(job.peer, rid, job.pushed, self.transport, probe)
             on_end += closers
         return Held(out, job.live, checks, on_end)
 

@@ -1,4 +1,5 @@
-"""D's knowledge of P instances: handshake once per (engine, epoch), geometry cached."""
+"""D's knowledge of P instances: handshake once per (engine, epoch), geometry cached,
+the number of peers bounded."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply, rank_layout
-from kvbridge.errors import IncompatibleError, PeerError
+from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout
 from kvbridge.plan.build import Geometry
 from kvbridge.plan.geometry import Bound
 from kvbridge.spec.model import ModelSpec
@@ -31,6 +32,10 @@ class Peer:
     secret: bytes
     timeout_s: float = 5.0
     clients: dict[int, Client] = field(default_factory=dict)
+    probe_addrs: dict[int, int] = field(default_factory=dict)
+    users: int = 0
+    """Loads using this peer now (:meth:`PeerCache.get` … :meth:`PeerCache.done`)."""
+    """Per P rank, one address in its registered memory (a liveness probe reads 1 B)."""
 
     def rank_client(self, rank: int) -> Client:
         """Side channel of one P rank (push requests)."""
@@ -42,6 +47,12 @@ class Peer:
 
 
 class PeerCache:
+    """D's peers by engine id: at most ``max_peers`` kept (least recently used and idle
+    ones evicted), one handshake at a time per engine id (others wait for it, loads to
+    other engines do not), and a P is replaced only by a handshake that succeeded with
+    the engine id and epoch the handle names: a forged or stale handle costs its own
+    load, never a working link."""
+
     def __init__(
         self,
         engine_id: str,
@@ -54,41 +65,100 @@ class PeerCache:
         timeout_s: float = 5.0,
         model_id: str = "",
         pad_blocks: bool = False,
+        max_peers: int = 64,
     ):
         """``timeout_s`` bounds each side-channel call to a P (handshake, lease, push);
         a P whose ``model_id`` differs from ``model_id`` is refused."""
         self.timeout_s, self.model_id, self.pad_blocks = timeout_s, model_id, pad_blocks
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.bound, self.transport, self.secret = bound, transport, secret
+        self.max_peers = max_peers
         self._lock = threading.Lock()
-        self._peers: dict[str, Peer] = {}
+        self._peers: dict[str, Peer] = {}  # least recently used first
+        self._busy: dict[str, threading.Event] = {}
+        self._stale: list[Peer] = []
 
     def known(self, handle: TransferHandle) -> Peer | None:
-        """The peer if one is cached. Does not wait for a handshake in progress (that
-        holds the lock for as long as P takes): one dict read is atomic."""
+        """The peer if one is cached. Does not wait for a handshake in progress: one
+        dict read is atomic."""
         return self._peers.get(handle.engine_id)
 
+    def __len__(self) -> int:
+        return len(self._peers)
+
     def get(self, handle: TransferHandle) -> Peer:
-        """The peer of ``handle``; handshakes if new or if P restarted (new epoch)."""
+        """The peer of ``handle`` (handshakes if new or if P restarted: new epoch),
+        counted in use until :meth:`done`."""
+        eid = handle.engine_id
+        while True:
+            with self._lock:
+                peer = self._peers.get(eid)
+                if peer is not None and peer.epoch == handle.epoch:
+                    self._peers[eid] = self._peers.pop(eid)  # most recently used
+                    peer.users += 1
+                    return peer
+                busy = self._busy.get(eid)
+                if busy is None:
+                    busy = self._busy[eid] = threading.Event()
+                    break
+            if not busy.wait(max(60.0, 3 * self.timeout_s)):
+                raise TransferTimeout(f"another handshake with {eid!r} is still running")
+        try:
+            new = self._handshake(handle)
+            with self._lock:
+                old = self._peers.pop(eid, None)
+                self._peers[eid] = new
+                new.users += 1
+                doomed = self._evict(old)
+        finally:
+            with self._lock:
+                self._busy.pop(eid, None)
+            busy.set()
+        for p in doomed:
+            self._forget(p)
+        return new
+
+    def done(self, peer: Peer) -> None:
+        """A load that :meth:`get` ``peer`` no longer uses it."""
         with self._lock:
-            peer = self._peers.get(handle.engine_id)
-            if peer is not None and peer.epoch == handle.epoch:
-                return peer
-            if peer is not None:
-                self._forget(peer)
-            peer = self._handshake(handle)
-            self._peers[handle.engine_id] = peer
-            return peer
+            peer.users -= 1
+            doomed = self._evict(None)
+        for p in doomed:
+            self._forget(p)
+
+    def _evict(self, replaced: Peer | None) -> list[Peer]:
+        """Under the lock: peers to forget now (idle ones beyond the limit, replaced
+        ones once idle)."""
+        if replaced is not None:
+            self._stale.append(replaced)
+        doomed = [p for p in self._stale if p.users <= 0]
+        self._stale = [p for p in self._stale if p.users > 0]
+        idle = [e for e, p in self._peers.items() if p.users <= 0]
+        for eid in idle[: max(len(self._peers) - self.max_peers, 0)]:
+            doomed.append(self._peers.pop(eid))
+        return doomed
 
     def _handshake(self, handle: TransferHandle) -> Peer:
         t0 = time.perf_counter()
         client = Client(handle.endpoint, self.secret, self.timeout_s)
+        try:
+            reply = self._ask(client, handle)
+            return self._connect(handle, client, reply, t0)
+        except BaseException:
+            client.close()
+            raise
+
+    def _ask(self, client: Client, handle: TransferHandle) -> HandshakeReply:
         reply = client.call(Handshake(PROTOCOL_VERSION, self.engine_id))
-        laps = [time.perf_counter()]
         if not isinstance(reply, HandshakeReply):
             raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
         if reply.version != PROTOCOL_VERSION:
             raise IncompatibleError(f"P speaks protocol {reply.version}, D {PROTOCOL_VERSION}")
+        if (reply.engine_id, reply.epoch) != (handle.engine_id, handle.epoch):
+            raise PeerError(
+                f"{handle.endpoint} is {reply.engine_id!r} epoch {reply.epoch!r}; the handle "
+                f"names {handle.engine_id!r} epoch {handle.epoch!r} (stale or forged handle)"
+            )
         if reply.compat_hash != self.spec.compat_hash():
             raise IncompatibleError(
                 f"P model hash {reply.compat_hash} differs from D's {self.spec.compat_hash()}"
@@ -98,6 +168,12 @@ class PeerCache:
                 f"P serves model {reply.model_id!r}, D {self.model_id!r} (same KV shapes, "
                 "another model: its bytes would be wrong here)"
             )
+        return reply
+
+    def _connect(
+        self, handle: TransferHandle, client: Client, reply: HandshakeReply, t0: float
+    ) -> Peer:
+        laps = [time.perf_counter()]
         p_par = Parallel(reply.tp, reply.pp, tuple(tuple(s) for s in reply.stages))  # type: ignore[misc]
         if len(reply.ranks) != p_par.world or [r.rank for r in reply.ranks] != list(
             range(p_par.world)
@@ -113,7 +189,7 @@ class PeerCache:
         laps.append(time.perf_counter())
         agents = {}
         for info in reply.ranks:
-            if info.rank in {pc for pc in _sources(geometry)}:
+            if info.rank in _sources(geometry):
                 agents[info.rank] = self.transport.add_peer(info.agent)
         laps.append(time.perf_counter())
         if laps[-1] - t0 > 1.0:
@@ -132,6 +208,7 @@ class PeerCache:
             endpoints,
             self.secret,
             self.timeout_s,
+            probe_addrs={i.rank: i.bases[0] for i in reply.ranks if i.bases},
         )
 
     def _forget(self, peer: Peer) -> None:
@@ -143,9 +220,11 @@ class PeerCache:
 
     def close(self) -> None:
         with self._lock:
-            for peer in self._peers.values():
-                self._forget(peer)
+            peers = list(self._peers.values()) + self._stale
             self._peers.clear()
+            self._stale = []
+        for peer in peers:
+            self._forget(peer)
 
 
 def _sources(geometry: Geometry) -> set[int]:

@@ -5,14 +5,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from kvbridge.connector.peers import Peer
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import FenceReply, PushFence, PushReply, PushRuns
-from kvbridge.errors import KVBridgeError, PeerError
+from kvbridge.errors import KVBridgeError, PeerError, TransportError
 from kvbridge.plan.runs import Runs
+from kvbridge.transport.base import Region, Transport, XferHandle, XferState
 
 FENCE_TIMEOUT_S = 1.0
 """One fence question to a P rank waits this long for its answer (then asked again)."""
+
+
+class ProbeArea:
+    """A few registered bytes of D's own, the landing place of liveness probes."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(64, np.uint8)
+        self.region = Region(int(self.buf.ctypes.data), int(self.buf.nbytes))
 
 
 def push_runs(
@@ -34,26 +45,64 @@ def push_runs(
 
 
 def push_fence_checks(
-    peer: Peer, request_id: str, ranks: list[int]
+    peer: Peer, request_id: str, ranks: list[int], transport: Transport, probe_addr: int
 ) -> tuple[list[Callable[[], bool]], list[Callable[[], None]]]:
     """One check per P rank in ``ranks``: True once that rank answered that none of its
-    writes for ``request_id`` is running (and it will refuse any later push of it).
-    Also the closers of the short-timeout channels the checks use."""
+    writes for ``request_id`` is running (and it will refuse any later push of it), or
+    once a 1-byte READ from it failed (its agent is gone: nothing of it can land).
+    ``probe_addr``: 1 registered byte of D's own for that READ. Also the closers."""
     checks: list[Callable[[], bool]] = []
     closers: list[Callable[[], None]] = []
     for src in sorted(set(ranks)):
         client = Client(peer.endpoints[src], peer.secret, FENCE_TIMEOUT_S)
-        checks.append(_asker(client, request_id))
-        closers.append(client.close)
+        check = _RankFence(client, request_id, transport, peer.agents.get(src), probe_addr)
+        check.remote = peer.probe_addrs.get(src)
+        checks.append(check)
+        closers.append(check.close)
     return checks, closers
 
 
-def _asker(client: Client, request_id: str) -> Callable[[], bool]:
-    def check() -> bool:
+class _RankFence:
+    """Asks one P rank whether its writes for a request ended; if it does not answer,
+    probes whether its agent still lives (a stopped or cut-off rank: ask again later)."""
+
+    def __init__(
+        self, client: Client, request_id: str, transport: Transport, agent: str | None, local: int
+    ):
+        self.client, self.request_id = client, request_id
+        self.transport, self.agent, self.local = transport, agent, local
+        self.remote: int | None = None
+        self.probe: XferHandle | None = None
+
+    def __call__(self) -> bool:
         try:
-            reply = client.call(PushFence(request_id))
+            reply = self.client.call(PushFence(self.request_id))
         except KVBridgeError:
-            return False  # no answer (stopped, cut off): ask again later
+            return self._agent_gone()
         return isinstance(reply, FenceReply) and reply.ended
 
-    return check
+    def _agent_gone(self) -> bool:
+        if self.agent is None or self.remote is None or not self.local:
+            return False
+        if self.probe is None:
+            one = np.ones(1, np.uint64)
+            try:
+                self.probe = self.transport.read(
+                    self.agent, one * self.local, one * self.remote, one
+                )
+            except TransportError as e:
+                return "unknown peer" not in str(e)  # NIXL refused to post: the link is dead
+        try:
+            state = self.transport.poll(self.probe)
+        except TransportError:
+            self.probe = None
+            return True  # the READ failed: the rank's agent is gone
+        if state is XferState.DONE:
+            self.probe.release()
+            self.probe = None  # alive but silent: ask again
+        return False
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.release()
+        self.client.close()
