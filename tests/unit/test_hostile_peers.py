@@ -8,12 +8,19 @@ import socket
 import time
 
 import msgspec
+import numpy as np
+import pytest
+import zmq
 
+from kvbridge.connector.consumer import Mode
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import Producer, ProducerWorker
+from kvbridge.control.channel import Client
+from kvbridge.control.messages import MAX_FRAME, ErrorReply, PushRuns, seal, unseal
+from kvbridge.errors import PeerError, PlanError
 from kvbridge.testing.scenario import random_tables
 from kvbridge.transport.loopback import LoopbackTransport
-from tests.unit.test_connector_loopback import SECRET, SPEC, World
+from tests.unit.test_connector_loopback import SECRET, SPEC, World, raw_call
 
 
 def forged(h: TransferHandle, **fields: object) -> TransferHandle:
@@ -130,3 +137,63 @@ def test_a_black_hole_endpoint_does_not_stall_other_loads():
     finally:
         hole.close()
         w.close()
+
+
+BAD_IDS = [0.9, "3", True, None, 2**64, 2**63, -1, 10**6]
+
+
+def test_block_tables_are_integers_in_range_nothing_coerced():
+    w = World()
+    try:
+        c = w.consumers[0]
+        handle, d_tabs = w.request("t", 20)
+        for bad in BAD_IDS:
+            tabs = [[bad, *t[1:]] for t in d_tabs]
+            with pytest.raises(PlanError, match="D's block tables: table 0"):
+                c.load(handle, tabs)
+            p_tabs = [[bad, *t[1:]] for t in handle.block_tables]
+            with pytest.raises(PlanError, match="P's block tables: table 0"):
+                w.producer.prefill_done(f"p{bad!r}", p_tabs, 20)
+        for shape in ([], d_tabs[:1], "ab", [np.zeros(3, np.float32), d_tabs[1]]):
+            with pytest.raises(PlanError, match="D's block tables"):
+                c.load(handle, shape)
+        with pytest.raises(PlanError, match="cached tokens"):
+            c.load(handle, d_tabs, cached=-1)
+        assert c.pending() == 0
+        c.load(handle, [np.asarray(t, np.int32) for t in d_tabs])  # numpy ids are fine
+        assert w.wait()[0].ok
+    finally:
+        w.close()
+
+
+def test_malformed_push_and_envelopes_get_a_typed_reply():
+    w = World(mode=Mode.PUSH)
+    try:
+        ep = w.workers[0].server
+        assert ep is not None
+        frame = seal(PushRuns("r", b"x", b"1234567", b"1234567", b"1234567", b"n"), SECRET)
+        reply = raw_call(ep.endpoint, frame)
+        assert isinstance(reply, ErrorReply) and reply.kind == "PeerError"
+        assert "multiples of 8" in reply.message
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 3000)
+        sock.connect(w.producer.endpoint)
+        try:
+            sock.send_multipart([b"a", b"b", b"c"])  # not a REQ envelope
+            empty, body = sock.recv_multipart()
+        finally:
+            sock.close()
+        reply = unseal(body, SECRET)
+        assert empty == b"" and isinstance(reply, ErrorReply) and "envelope" in reply.message
+    finally:
+        w.close()
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_sent():
+    client = Client(dead_endpoint(), SECRET, timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="exceeds"):
+        client.call(ErrorReply("x", "y" * (MAX_FRAME + 1)))
+    assert time.monotonic() - t0 < 1.0
+    client.close()

@@ -22,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvbridge.connector.fence import Check, Fence, Held
-from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.handle import TransferHandle, checked_tables
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
 from kvbridge.connector.staging import Stager
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
-from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, TransferTimeout
+from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, PlanError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.runs import Runs
@@ -179,7 +179,10 @@ class Consumer:
 
     def load(self, handle: TransferHandle, tables: list[list[int]], cached: int = 0) -> None:
         """Queue the transfer of ``handle``'s request into local ``tables``."""
-        job = _Load(handle, [list(map(int, t)) for t in tables], cached)
+        tables = checked_tables(tables, self.peers.bound.layout.num_blocks, "D's block tables")
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise PlanError(f"cached tokens must be an int >= 0, got {cached!r}")
+        job = _Load(handle, tables, cached)
         with self._lock:
             if handle.request_id in self._loads:
                 raise KVBridgeError(f"request {handle.request_id!r} is already loading")

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.handle import TransferHandle, checked_tables
 from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
 from kvbridge.control.messages import (
@@ -79,6 +79,9 @@ class ProducerWorker:
             raise PeerError(f"P rank {self.rank} serves push requests, not {type(msg).__name__}")
         if msg.request_id in self._fenced:
             raise PeerError(f"push of {msg.request_id!r} refused: D fenced it after a failure")
+        if any(len(b) % 8 for b in (msg.src, msg.dst, msg.nbytes)):
+            sizes = [len(b) for b in (msg.src, msg.dst, msg.nbytes)]
+            raise PeerError(f"push arrays must be uint64 (multiples of 8 bytes), got {sizes} B")
         src, dst, n = (np.frombuffer(b, dtype="<u8") for b in (msg.src, msg.dst, msg.nbytes))
         if not src.shape == dst.shape == n.shape:
             raise PeerError(f"push arrays differ in length: {src.shape} {dst.shape} {n.shape}")
@@ -143,7 +146,8 @@ class Producer:
         self, request_id: str, block_tables: list[list[int]], n_tokens: int, payload: bytes = b""
     ) -> TransferHandle:
         """Hold ``block_tables`` under a lease; the handle goes to the router."""
-        tables = [[int(b) for b in t] for t in block_tables]
+        limits = self.ranks[0].num_blocks if 0 in self.ranks else [1 << 63] * len(self.spec.groups)
+        tables = checked_tables(block_tables, limits, "P's block tables")
         lease_id = secrets.token_hex(8)
         digest = tables_digest(tables, n_tokens)
         self.leases.grant(request_id, lease_id, tables, digest)

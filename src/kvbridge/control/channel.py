@@ -6,13 +6,14 @@ or decode gets an :class:`ErrorReply` and the server goes on serving other peers
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 
 import zmq
 
-from kvbridge.control.messages import ErrorReply, Message, seal, unseal
+from kvbridge.control.messages import MAX_FRAME, ErrorReply, Message, seal, unseal
 from kvbridge.errors import KVBridgeError, PeerError, TransportError
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,13 @@ class Server:
             if not poller.poll(50):
                 continue
             parts = self._sock.recv_multipart()
-            if len(parts) != 3 or parts[1] != b"":
-                continue  # not a REQ-style envelope: drop
-            self._sock.send_multipart([parts[0], b"", seal(self._answer(parts[2]), self.secret)])
+            if len(parts) == 3 and parts[1] == b"":
+                reply = self._answer(parts[2])
+            else:  # not a REQ envelope: answered on the route it came by, if any
+                n = [len(p) for p in parts[1:]]
+                reply = ErrorReply("PeerError", f"malformed envelope: {len(parts) - 1} parts {n}")
+            with contextlib.suppress(zmq.ZMQError):  # the peer may be gone already
+                self._sock.send_multipart([parts[0], b"", seal(reply, self.secret)])
         self._sock.close(0)
 
     def _answer(self, frame: bytes) -> Message:
@@ -91,10 +96,16 @@ class Client:
 
     def call(self, msg: Message) -> Message:
         """Send ``msg``, return the reply; an :class:`ErrorReply` is raised as PeerError."""
+        frame = seal(msg, self.secret)
+        if len(frame) > MAX_FRAME:
+            raise PeerError(
+                f"{type(msg).__name__} of {len(frame)} B exceeds the {MAX_FRAME}-byte frame "
+                f"limit; not sent to {self.endpoint}"
+            )
         with self._lock:
             sock = self._socket()
             try:
-                sock.send(seal(msg, self.secret))
+                sock.send(frame)
                 frame = sock.recv()
             except zmq.Again:
                 self._reset()

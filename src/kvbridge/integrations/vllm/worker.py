@@ -94,7 +94,11 @@ class WorkerSide:
                 if handle.request_id in self._by_handle:
                     raise KVBridgeError(f"handle of P request {handle.request_id!r} is loading")
                 self._by_handle[handle.request_id] = job.request_id
-                self.consumer.load(handle, job.tables, job.cached)
+                try:
+                    self.consumer.load(handle, job.tables, job.cached)
+                except KVBridgeError:
+                    self._by_handle.pop(handle.request_id, None)
+                    raise
             except KVBridgeError as e:
                 log.error("kvbridge: request %s cannot load: %s", job.request_id, e)
                 self._failed.append(
