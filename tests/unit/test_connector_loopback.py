@@ -19,7 +19,8 @@ from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control.channel import Client
 from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import ErrorReply, Handshake, Message, unseal
-from kvbridge.errors import PeerError
+from kvbridge.control.security import Keys, secure_client
+from kvbridge.errors import PeerError, TransportError
 from kvbridge.layout import build_layout
 from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
 from kvbridge.testing.reference import expected_dest, fill_source
@@ -37,6 +38,7 @@ def sign(body: bytes, secret: bytes = SECRET) -> bytes:
 
 def raw_call(endpoint: str, frame: bytes) -> Message:
     sock = zmq.Context.instance().socket(zmq.REQ)
+    secure_client(sock, Keys.from_secret(SECRET))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 3000)
     sock.connect(endpoint)
@@ -218,9 +220,12 @@ def test_handle_with_foreign_block_ids_transfers_nothing(world):
 
 
 def test_wrong_secret_and_version_are_refused_and_p_keeps_serving(world):
-    bad = Client(world.producer.endpoint, b"wrong", timeout_s=2)
+    outsider = Client(world.producer.endpoint, b"wrong", timeout_s=1)
+    with pytest.raises(TransportError, match="no CURVE session"):
+        outsider.call(Handshake(1, "intruder"))  # its keys are not allowed: no session
+    bad = Client(world.producer.endpoint, b"wrong", timeout_s=2, keys=Keys.from_secret(SECRET))
     with pytest.raises(PeerError, match="authentication failed"):
-        bad.call(Handshake(1, "intruder"))
+        bad.call(Handshake(1, "intruder"))  # a session, but frames signed with another secret
     good = Client(world.producer.endpoint, SECRET, timeout_s=2)
     with pytest.raises(PeerError, match="protocol version 99"):
         good.call(Handshake(99, "old"))

@@ -17,6 +17,7 @@ from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import MAX_FRAME, ErrorReply, PushRuns, seal, unseal
+from kvbridge.control.security import Keys, secure_client
 from kvbridge.errors import PeerError, PlanError
 from kvbridge.testing.scenario import random_tables
 from kvbridge.transport.loopback import LoopbackTransport
@@ -176,6 +177,7 @@ def test_malformed_push_and_envelopes_get_a_typed_reply():
         assert isinstance(reply, ErrorReply) and reply.kind == "PeerError"
         assert "multiples of 8" in reply.message
         sock = zmq.Context.instance().socket(zmq.DEALER)
+        secure_client(sock, Keys.from_secret(SECRET))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, 3000)
         sock.connect(w.producer.endpoint)

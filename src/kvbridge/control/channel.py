@@ -1,4 +1,6 @@
-"""The side channel: a ZMQ ROUTER server thread on P, REQ-style clients on D.
+"""The side channel: a ZMQ ROUTER server thread on P, REQ-style clients on D, both
+over CURVE (:mod:`kvbridge.control.security`): encrypted, both ends authenticated,
+no frame replayable.
 
 The server answers every frame with exactly one frame; a frame it cannot authenticate
 or decode gets an :class:`ErrorReply` and the server goes on serving other peers.
@@ -14,6 +16,7 @@ from collections.abc import Callable
 import zmq
 
 from kvbridge.control.messages import MAX_FRAME, ErrorReply, Message, seal, unseal
+from kvbridge.control.security import Keys, secure_client, secure_server
 from kvbridge.errors import KVBridgeError, PeerError, TransportError
 
 log = logging.getLogger(__name__)
@@ -21,13 +24,22 @@ Handler = Callable[[Message], Message]
 
 
 class Server:
-    """Serves ``handler`` on ``tcp://host:port`` (port 0: any free port)."""
+    """Serves ``handler`` on ``tcp://host:port`` (port 0: any free port); ``keys``: CURVE
+    keys (default: derived from ``secret``)."""
 
-    def __init__(self, handler: Handler, secret: bytes, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        handler: Handler,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        keys: Keys | None = None,
+    ):
         self.handler = handler
         self.secret = secret
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self._auth = secure_server(self._ctx, self._sock, keys or Keys.from_secret(secret))
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
         if port:
@@ -69,15 +81,19 @@ class Server:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._auth.stop()
         self._ctx.term()
 
 
 class Client:
     """Blocking request/reply to one endpoint with a timeout; thread-safe."""
 
-    def __init__(self, endpoint: str, secret: bytes, timeout_s: float = 5.0):
+    def __init__(
+        self, endpoint: str, secret: bytes, timeout_s: float = 5.0, keys: Keys | None = None
+    ):
         self.endpoint = endpoint
         self.secret = secret
+        self.keys = keys or Keys.from_secret(secret)
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._lock = threading.Lock()
@@ -86,6 +102,7 @@ class Client:
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             s = self._ctx.socket(zmq.REQ)
+            secure_client(s, self.keys)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
             s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
@@ -110,7 +127,8 @@ class Client:
             except zmq.Again:
                 self._reset()
                 raise TransportError(
-                    f"side channel {self.endpoint}: no reply within {self.timeout_ms} ms"
+                    f"side channel {self.endpoint}: no reply within {self.timeout_ms} ms "
+                    "(P down or unreachable, or no CURVE session: keys or secret differ)"
                 ) from None
             except zmq.ZMQError as e:
                 self._reset()
