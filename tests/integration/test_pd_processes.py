@@ -46,9 +46,20 @@ class Pair:
         lease_s=30.0,
         timeout_s=10.0,
         mode="pull",
+        p_host=("", "127.0.0.1"),
+        d_host=("", "127.0.0.1"),
     ):
+        """``p_host``/``d_host``: (network namespace, address) of each side."""
         self.p = Instance(
-            "P", spec.with_block_sizes(p_bs), Parallel(p_tp), p_layout, 64, SECRET, lease_s
+            "P",
+            spec.with_block_sizes(p_bs),
+            Parallel(p_tp),
+            p_layout,
+            64,
+            SECRET,
+            lease_s,
+            netns=p_host[0],
+            host=p_host[1],
         )
         try:
             self.d = Instance(
@@ -60,6 +71,8 @@ class Pair:
                 SECRET,
                 timeout_s=timeout_s,
                 mode=mode,
+                netns=d_host[0],
+                host=d_host[1],
             )
         except Exception:
             self.p.close()

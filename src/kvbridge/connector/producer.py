@@ -59,6 +59,7 @@ class ProducerWorker:
         secret: bytes | None = None,
         host: str = "127.0.0.1",
         push_timeout_s: float = 10.0,
+        advertise: str = "",
     ):
         self.rank = rank
         self.transport = transport
@@ -68,7 +69,9 @@ class ProducerWorker:
         self._fenced: OrderedDict[str, None] = OrderedDict()
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
         meta = transport.register(regions)
-        self.server = Server(self._handle, secret, host) if secret is not None else None
+        self.server = (
+            Server(self._handle, secret, host, advertise=advertise) if secret is not None else None
+        )
         endpoint = self.server.endpoint if self.server else ""
         self.info = wire_layout(rank, layout, bases, meta, endpoint)
 
@@ -121,9 +124,12 @@ class Producer:
         host: str = "127.0.0.1",
         port: int = 0,
         model_id: str = "",
+        advertise: str = "",
     ):
         """``model_id`` names what P serves; a D with another id is refused at the
-        handshake (two models with the same KV shapes would otherwise exchange bytes)."""
+        handshake (two models with the same KV shapes would otherwise exchange bytes).
+        ``host``/``port``: where the side channel binds; ``advertise``: the address D
+        connects to, if not ``host`` (see :class:`~kvbridge.control.channel.Server`)."""
         self.engine_id = engine_id
         self.model_id = model_id
         self.spec = spec
@@ -131,7 +137,7 @@ class Producer:
         self.epoch = secrets.token_hex(8)
         self.leases = LeaseTable(lease_s)
         self.ranks: dict[int, RankInfo] = {}
-        self.server = Server(self._handle, secret, host, port)
+        self.server = Server(self._handle, secret, host, port, advertise=advertise)
 
     @property
     def endpoint(self) -> str:

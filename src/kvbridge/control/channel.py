@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ import zmq
 
 from kvbridge.control.messages import MAX_FRAME, ErrorReply, Message, seal, unseal
 from kvbridge.control.security import Keys, secure_client, secure_server
-from kvbridge.errors import KVBridgeError, PeerError, TransportError
+from kvbridge.errors import ConfigError, KVBridgeError, PeerError, TransportError
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Message], Message]
@@ -25,7 +26,10 @@ Handler = Callable[[Message], Message]
 
 class Server:
     """Serves ``handler`` on ``tcp://host:port`` (port 0: any free port); ``keys``: CURVE
-    keys (default: derived from ``secret``)."""
+    keys (default: derived from ``secret``). :attr:`endpoint` is what peers connect to:
+    ``advertise`` (an address or name of this host they can reach), else ``host``; a
+    wildcard ``host`` (``0.0.0.0``, ``*``, ``::``) without ``advertise`` advertises the
+    address of the interface that routes outward (:func:`reachable_address`)."""
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 0,
         keys: Keys | None = None,
+        advertise: str = "",
     ):
         self.handler = handler
         self.secret = secret
@@ -42,11 +47,14 @@ class Server:
         self._auth = secure_server(self._ctx, self._sock, keys or Keys.from_secret(secret))
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+        if ":" in host and host != "*":
+            self._sock.setsockopt(zmq.IPV6, 1)
         if port:
-            self._sock.bind(f"tcp://{host}:{port}")
+            self._sock.bind(f"tcp://{_bracket(host)}:{port}")
         else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+            port = self._sock.bind_to_random_port(f"tcp://{_bracket(host)}")
+        shown = advertise or (reachable_address() if host in WILDCARDS else host)
+        self.endpoint = f"tcp://{_bracket(shown)}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, name="kvbridge-sidechannel", daemon=True
@@ -83,6 +91,29 @@ class Server:
         self._thread.join(timeout=2)
         self._auth.stop()
         self._ctx.term()
+
+
+WILDCARDS = ("0.0.0.0", "*", "::", "")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def reachable_address() -> str:
+    """This host's address on the interface that routes outward (a UDP socket is
+    connected, nothing is sent); :class:`ConfigError` where no route exists."""
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    raise ConfigError(
+        "bound to a wildcard address but no route leaves this host: give an advertised "
+        "address (the one peers should connect to)"
+    )
 
 
 class Client:

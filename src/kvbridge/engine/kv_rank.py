@@ -66,7 +66,10 @@ class RankKV:
 
     def serve(self, cmd: ServeKV) -> KVInfo:
         transport = self._transport(cmd.engine_id)
-        self.producer = ProducerWorker(self.rank, self.layout, self.bases, transport, cmd.secret)
+        self.producer = ProducerWorker(
+            self.rank, self.layout, self.bases, transport, cmd.secret, cmd.host,
+            advertise=cmd.advertise,
+        )  # fmt: skip
         return KVInfo(self.producer.info)
 
     def consume(self, cmd: ConsumeKV) -> Ack:

@@ -59,6 +59,9 @@ class ServeKV:
 
     engine_id: str
     secret: bytes
+    host: str = "127.0.0.1"
+    """Address the rank's push channel binds; ``advertise``: the one D connects to."""
+    advertise: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,10 +93,15 @@ class PrefillServer:
         secret: bytes,
         lease_s: float = 30.0,
         timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+        advertise: str = "",
     ) -> None:
+        """``host``: where P's side channels (coordinator and push) bind; ``advertise``:
+        the address D connects to, if not ``host`` (D on another machine)."""
         self.engine_id = f"P-{secrets.token_hex(4)}"
         self.engine = side.instance(model, timeout_s)
         self.producer: Producer | None = None
+        self.host, self.advertise = host, advertise
         try:
             self.producer = self._producer(secret, lease_s)
         except BaseException:
@@ -105,9 +110,12 @@ class PrefillServer:
 
     def _producer(self, secret: bytes, lease_s: float) -> Producer:
         spec, par = self.engine.spec, self.engine.parallel
-        producer = Producer(self.engine_id, spec, par, secret, lease_s)
+        producer = Producer(
+            self.engine_id, spec, par, secret, lease_s, self.host, advertise=self.advertise
+        )
         try:
-            for reply in self.engine.call_ranks(ServeKV(self.engine_id, secret)):
+            serve = ServeKV(self.engine_id, secret, self.host, self.advertise)
+            for reply in self.engine.call_ranks(serve):
                 assert isinstance(reply, KVInfo), reply
                 producer.add_rank(reply.info)
         except BaseException:

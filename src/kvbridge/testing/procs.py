@@ -8,16 +8,21 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbridge.connector.producer import Producer
 from kvbridge.errors import TransportError
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
+from kvbridge.testing.netns import enter
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,10 @@ class RankSpec:
     lease_s: float = 30.0
     timeout_s: float = 10.0
     mode: str = "pull"
+    netns: str = ""
+    """Network namespace the rank runs in ("" : this one), a simulated host."""
+    host: str = "127.0.0.1"
+    """Address the rank's side channel binds and advertises (P, push)."""
 
 
 class RankProc:
@@ -84,8 +93,13 @@ class Instance:
         lease_s: float = 30.0,
         timeout_s: float = 10.0,
         mode: str = "pull",
+        netns: str = "",
+        host: str = "127.0.0.1",
     ):
+        """``netns``/``host``: the namespace (simulated host) every rank and, for P, the
+        coordinator's side channel live in, and the address they bind."""
         ctx = mp.get_context("spawn")
+        self.netns, self.host = netns, host
         self.side, self.spec, self.par = side, spec, par
         self.producer: Producer | None = None
         self.ranks: list[RankProc] = []
@@ -109,12 +123,20 @@ class Instance:
         self.ranks = [
             RankProc(
                 ctx,
-                RankSpec(side, spec, par, r, layout, num_blocks, secret, lease_s, timeout_s, mode),
+                RankSpec(
+                    side, spec, par, r, layout, num_blocks, secret, lease_s, timeout_s, mode,
+                    self.netns, self.host,
+                ),
             )
             for r in range(par.world)
-        ]
+        ]  # fmt: skip
         if side == "P":
-            self.producer = Producer(f"P-{uuid.uuid4().hex[:6]}", spec, par, secret, lease_s)
+            self.producer = _in_netns(
+                self.netns,
+                lambda: Producer(
+                    f"P-{uuid.uuid4().hex[:6]}", spec, par, secret, lease_s, host=self.host
+                ),
+            )
             for rp in self.ranks:
                 self.producer.add_rank(rp.call("info"))
         else:
@@ -133,7 +155,32 @@ class Instance:
             self.producer.close()
 
 
+def _in_netns(netns: str, make: Callable[[], T]) -> T:
+    """``make()`` run by a thread inside ``netns`` (its sockets, and the threads it
+    starts, live there), or here if ``netns`` is empty."""
+    if not netns:
+        return make()
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            enter(netns, sysfs=False)  # sockets only: this process's /sys stays
+            out.append(make())
+        except BaseException as e:
+            err.append(e)
+
+    t = threading.Thread(target=run, name=f"netns-{netns}")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
+
+
 def _rank_main(conn: Connection, rs: RankSpec) -> None:
+    if rs.netns:
+        enter(rs.netns)  # before NIXL/UCX load: UCX reads the interfaces when it loads
     from kvbridge.testing.rank_worker import RankWorker
 
     worker = RankWorker(rs)

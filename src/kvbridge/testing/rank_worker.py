@@ -35,7 +35,7 @@ class RankWorker:
         rs = self.rs
         if rs.side == "P":
             self.producer = ProducerWorker(
-                rs.rank, self.layout, self.bases, self.transport, rs.secret
+                rs.rank, self.layout, self.bases, self.transport, rs.secret, rs.host
             )
             return self.producer.info
         self.consumer = Consumer(

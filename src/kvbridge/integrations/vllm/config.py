@@ -2,8 +2,11 @@
 
 ``kv_connector_extra_config`` keys (all optional but the secret):
 
-    secret      shared HMAC key of the side channel (or env ``KVBRIDGE_SECRET``)
-    host        address P's side channel binds and advertises (default 127.0.0.1)
+    secret      shared secret of the side channel: its CURVE keys and HMAC key are
+                derived from it (or env ``KVBRIDGE_SECRET``)
+    host        address P's side channel binds (default 127.0.0.1; ``0.0.0.0``: all)
+    advertise   address D connects to, if not ``host`` (default: ``host``, or for a
+                wildcard ``host`` the address of the interface that routes outward)
     port        its port (default 0: any free port)
     lease_s     how long P holds a prefilled request's blocks for D (default 60: it must
                 outlive a first NIXL connection, seen to block for up to 31 s)
@@ -35,6 +38,7 @@ class ConnectorConfig:
     lease_s: float = 60.0
     timeout_s: float = 10.0
     model_id: str = ""
+    advertise: str = ""
 
 
 VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
@@ -64,7 +68,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
         raise ConfigError(
             "kvbridge needs a shared secret: kv_connector_extra_config.secret or KVBRIDGE_SECRET"
         )
-    unknown = set(extra) - {"host", "port", "lease_s", "timeout_s", "model_id"}
+    unknown = set(extra) - {"host", "port", "lease_s", "timeout_s", "model_id", "advertise"}
     if unknown:
         raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
     try:
@@ -78,6 +82,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             float(extra.get("lease_s", 60.0)),
             float(extra.get("timeout_s", 10.0)),
             str(extra.get("model_id") or (model_fingerprint(hf_config) if hf_config else "")),
+            str(extra.get("advertise", "")),
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None

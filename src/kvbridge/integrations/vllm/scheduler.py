@@ -66,6 +66,7 @@ class SchedulerSide:
             self.cfg.host,
             self.cfg.port,
             self.cfg.model_id,
+            self.cfg.advertise,
         )
         for info in ranks:
             self.producer.add_rank(info)
