@@ -20,7 +20,7 @@ from kvbridge.control.channel import Client
 from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import ErrorReply, Handshake, Message, unseal
 from kvbridge.control.security import Keys, secure_client
-from kvbridge.errors import PeerError, TransportError
+from kvbridge.errors import PeerError
 from kvbridge.layout import build_layout
 from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
 from kvbridge.testing.reference import expected_dest, fill_source
@@ -176,7 +176,10 @@ def test_lapsed_lease_is_reported_failed_never_successful():
 def test_a_silent_p_fails_the_load_within_the_consumers_timeout():
     w = World(timeout_s=0.5)
     ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    silent = ctx.socket(zmq.ROUTER)  # accepts CURVE sessions, never answers
+    keys = Keys.from_secret(SECRET)
+    silent.curve_secretkey, silent.curve_publickey = keys.server_secret, keys.server_public
+    silent.curve_server = True
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
@@ -220,9 +223,11 @@ def test_handle_with_foreign_block_ids_transfers_nothing(world):
 
 
 def test_wrong_secret_and_version_are_refused_and_p_keeps_serving(world):
-    outsider = Client(world.producer.endpoint, b"wrong", timeout_s=1)
-    with pytest.raises(TransportError, match="no CURVE session"):
+    outsider = Client(world.producer.endpoint, b"wrong", timeout_s=10)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="CURVE handshake failed"):
         outsider.call(Handshake(1, "intruder"))  # its keys are not allowed: no session
+    assert time.monotonic() - t0 < 2.0  # told at once, not after the timeout
     bad = Client(world.producer.endpoint, b"wrong", timeout_s=2, keys=Keys.from_secret(SECRET))
     with pytest.raises(PeerError, match="authentication failed"):
         bad.call(Handshake(1, "intruder"))  # a session, but frames signed with another secret

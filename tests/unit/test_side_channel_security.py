@@ -13,7 +13,7 @@ import zmq
 from kvbridge.control.channel import Client, Server
 from kvbridge.control.messages import LeaseOp, LeaseReply, Message
 from kvbridge.control.security import Keys
-from kvbridge.errors import TransportError
+from kvbridge.errors import PeerError
 
 SECRET = b"security-test"
 
@@ -86,9 +86,11 @@ def test_keys_off_the_allow_list_get_no_session():
     server = serve(calls)
     try:
         stranger = Keys(base.server_public, b"", pub, sec, frozenset())
-        client = Client(server.endpoint, SECRET, timeout_s=1, keys=stranger)
-        with pytest.raises(TransportError, match="no CURVE session"):
+        client = Client(server.endpoint, SECRET, timeout_s=10, keys=stranger)
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match=r"CURVE handshake failed.*AUTH"):
             client.call(LeaseOp("renew", "r", "l", "d", "D", 0, 1))
+        assert time.monotonic() - t0 < 2.0
         client.close()
         assert calls == []
     finally:
@@ -106,7 +108,7 @@ def test_explicit_keys_with_an_allow_list():
         assert isinstance(client.call(LeaseOp("renew", "r", "l", "d", "D", 0, 1)), LeaseReply)
         client.close()
         derived = Client(server.endpoint, SECRET, timeout_s=1)  # the secret alone is not enough
-        with pytest.raises(TransportError):
+        with pytest.raises(PeerError, match="CURVE handshake failed"):
             derived.call(LeaseOp("renew", "r", "l", "d", "D", 0, 1))
         derived.close()
         assert len(calls) == 1

@@ -12,9 +12,11 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvbridge.control.messages import MAX_FRAME, ErrorReply, Message, seal, unseal
 from kvbridge.control.security import Keys, secure_client, secure_server
@@ -94,6 +96,11 @@ class Server:
 
 
 WILDCARDS = ("0.0.0.0", "*", "::", "")
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def _bracket(host: str) -> str:
@@ -129,18 +136,39 @@ class Client:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = None
+        self._mon: zmq.Socket | None = None
 
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
+    def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        if self._sock is None or self._mon is None:
             s = self._ctx.socket(zmq.REQ)
             secure_client(s, self.keys)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
             s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
             s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+            self._mon = s.get_monitor_socket(HANDSHAKE_FAILED)
             s.connect(self.endpoint)
             self._sock = s
-        return self._sock
+        return self._sock, self._mon
+
+    def _recv(self, sock: zmq.Socket, mon: zmq.Socket) -> bytes:
+        """The reply, or :class:`PeerError` as soon as the CURVE handshake is refused
+        (keys or secret differ) instead of waiting out the timeout; ``zmq.Again``."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(max(1, int(left * 1000))))
+            if sock in ready:
+                return bytes(sock.recv())
+            if mon in ready:
+                event = zmq.Event(recv_monitor_message(mon)["event"])
+                raise PeerError(
+                    f"side channel {self.endpoint}: CURVE handshake failed ({event.name}): "
+                    "this side's keys or secret are not the server's"
+                )
+        raise zmq.Again()
 
     def call(self, msg: Message) -> Message:
         """Send ``msg``, return the reply; an :class:`ErrorReply` is raised as PeerError."""
@@ -151,10 +179,13 @@ class Client:
                 f"limit; not sent to {self.endpoint}"
             )
         with self._lock:
-            sock = self._socket()
+            sock, mon = self._socket()
             try:
                 sock.send(frame)
-                frame = sock.recv()
+                frame = self._recv(sock, mon)
+            except PeerError:
+                self._reset()
+                raise
             except zmq.Again:
                 self._reset()
                 raise TransportError(
@@ -171,8 +202,13 @@ class Client:
 
     def _reset(self) -> None:
         if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
             self._sock.close(0)
             self._sock = None
+        if self._mon is not None:
+            self._mon.close(0)
+            self._mon = None
 
     def close(self) -> None:
         with self._lock:
