@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.connector.consumer import Mode
+from kvbridge.connector.consumer import Consumer, Mode
 from kvbridge.control.messages import PushFence, PushRuns
 from kvbridge.errors import PeerError
 from kvbridge.transport.loopback import LoopbackTransport
-from tests.unit.test_connector_loopback import World
+from tests.unit.test_connector_loopback import SECRET, World
 
 SCRIBBLE = 0xAB
 
@@ -112,5 +112,40 @@ def test_a_fenced_push_is_refused_by_the_p_rank():
         d_meta = w.consumers[0].metadata
         with pytest.raises(PeerError, match="fenced"):
             ch.call(PushRuns("y", d_meta, empty, empty, empty, b"n"))
+    finally:
+        w.close()
+
+
+class SlowPosts(LoopbackTransport):
+    """Each posted request takes 30 ms (NIXL copies inside the call over shared memory)."""
+
+    def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.03)
+        return super().read(*args, **kwargs)
+
+
+def test_posting_stops_at_the_deadline():
+    """~1,700 runs posted 50 per request: 35 posts × 30 ms would take ~1 s; with a 0.1 s
+    deadline D stops posting and reports within the deadline plus one post."""
+    w = World()
+    try:
+        slow = Consumer(
+            "D-slow", w.d.spec, w.d.par, 0, w.d.layouts[0], list(w.d.bound(0).bases),
+            SlowPosts("d-slowpost", w.fabric), SECRET, transfer_timeout_s=0.1, staging_bytes=0,
+        )  # fmt: skip
+        slow.post_runs = 50
+        try:
+            handle, d_tabs = w.request("big", 200)
+            slow.load(handle, d_tabs)
+            end = time.monotonic() + 5
+            out = []
+            while not out and time.monotonic() < end:
+                out = slow.poll()
+                time.sleep(0.005)
+            assert len(out) == 1 and not out[0].ok, out
+            assert "while posting" in out[0].error, out[0].error
+            assert out[0].seconds - out[0].stages.get("queue", 0) < 0.1 + 0.2, out[0]
+        finally:
+            slow.close()
     finally:
         w.close()

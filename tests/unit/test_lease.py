@@ -41,3 +41,25 @@ def test_a_lapsed_lease_answers_expired_and_frees_its_blocks_once() -> None:
         ("r1", [[3, 4]], LeaseState.EXPIRED)
     ]
     assert table.drain_freed() == []
+
+
+def test_begin_is_accepted_once_per_d_rank() -> None:
+    table = LeaseTable(30.0, Clock(0.0))
+    table.grant("r1", "L1", [[3, 4]], "digest")
+    assert table.on_op(op("begin", 0)).state == "held"
+    assert table.on_op(op("begin", 0)).state == "refused"  # replayed or repeated
+    assert table.on_op(op("begin", 1)).state == "held"  # another D rank of the request
+    assert table.on_op(op("renew", 0)).state == "held"
+
+
+def test_renewals_cannot_hold_a_lease_past_its_maximum() -> None:
+    clock = Clock(0.0)
+    table = LeaseTable(5.0, clock, max_hold_s=12.0)
+    table.grant("r1", "L1", [[3, 4]], "digest")
+    for t in (4.0, 8.0, 11.0):
+        clock.now = t
+        assert table.on_op(op("renew")).state == "held"
+    assert table.on_op(op("renew")).remaining_s == 1.0  # capped at grant + 12 s
+    clock.now = 12.0
+    assert table.on_op(op("renew")).state == "expired"
+    assert [f.reason for f in table.drain_freed()] == [LeaseState.EXPIRED]

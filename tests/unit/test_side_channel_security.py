@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kvbridge.control.channel import Client, Server
-from kvbridge.control.messages import LeaseOp, LeaseReply, Message
+from kvbridge.control.messages import ErrorReply, Handshake, LeaseOp, LeaseReply, Message
 from kvbridge.control.security import Keys
 from kvbridge.errors import PeerError
 
@@ -27,6 +27,7 @@ class Relay:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
         self.sent = bytearray()
+        self.received = bytearray()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -37,14 +38,15 @@ class Relay:
 
     def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
         while data := src.recv(65536):
-            if record:
-                self.sent += data
+            (self.sent if record else self.received).extend(data)
             dst.sendall(data)
 
 
 def serve(calls: list[Message], keys: Keys | None = None) -> Server:
     def handler(msg: Message) -> Message:
         calls.append(msg)
+        if isinstance(msg, Handshake):  # stands for P's reply with its NIXL metadata
+            return ErrorReply("Metadata", "nixl-agent-blob-5e7d")
         return LeaseReply("held", 1.0)
 
     return Server(handler, SECRET, keys=keys)
@@ -74,6 +76,10 @@ def test_a_recorded_session_is_unreadable_and_replays_are_refused():
                 time.sleep(0.3)
         assert len(calls) == 1, calls  # nothing replayed was accepted
         assert isinstance(client.call(op), LeaseReply) and len(calls) == 2
+        with pytest.raises(PeerError, match="nixl-agent-blob-5e7d"):
+            client.call(Handshake(4, "D"))
+        time.sleep(0.2)
+        assert b"nixl-agent-blob-5e7d" not in bytes(relay.received)  # replies too
     finally:
         client.close()
         server.close()

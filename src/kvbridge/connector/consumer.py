@@ -14,15 +14,14 @@ still land is reported only once they ended (:mod:`kvbridge.connector.fence`).
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from kvbridge.connector.fence import Check, Fence, Held
 from kvbridge.connector.handle import TransferHandle, checked_tables
+from kvbridge.connector.load import LoadState, Mode, Outcome, Policy, _Load
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
 from kvbridge.connector.staging import Stager
@@ -39,84 +38,10 @@ from kvbridge.transport.base import Region, Transport, XferHandle
 log = logging.getLogger(__name__)
 
 
-class Policy(enum.StrEnum):
-    RECOMPUTE = "recompute"
-    FAIL = "fail"
-
-
-class Mode(enum.StrEnum):
-    PULL = "pull"
-    """D reads P's blocks."""
-    PUSH = "push"
-    """D sends its plan; each P rank writes into D's blocks and notifies."""
-
-
-class LoadState(enum.Enum):
-    QUEUED = "queued"
-    HANDSHAKE = "handshake"
-    TRANSFER = "transfer"
-    VERIFY = "verify"
-    DONE = "done"
-    FAILED = "failed"
-
-
-TRANSITIONS = {
-    LoadState.QUEUED: {LoadState.HANDSHAKE, LoadState.FAILED},
-    LoadState.HANDSHAKE: {LoadState.TRANSFER, LoadState.FAILED},
-    LoadState.TRANSFER: {LoadState.VERIFY, LoadState.FAILED},
-    LoadState.VERIFY: {LoadState.DONE, LoadState.FAILED},
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    request_id: str
-    ok: bool
-    bytes: int = 0
-    descriptors: int = 0
-    seconds: float = 0.0
-    failed_blocks: list[list[int]] = field(default_factory=list)
-    """Local block ids per group whose contents are not valid (failures only)."""
-    action: Policy = Policy.RECOMPUTE
-    error: str = ""
-    stages: dict[str, float] = field(default_factory=dict)
-    """Seconds per stage: queue, handshake, lease, plan, post, transfer, verify."""
-    staged_runs: int = 0
-    """Runs moved through the staging area (``descriptors`` counts what was posted:
-    the direct runs plus the staged spans)."""
-
-
-@dataclass(slots=True)
-class _Load:
-    handle: TransferHandle
-    tables: list[list[int]]
-    cached: int
-    state: LoadState = LoadState.QUEUED
-    stages: dict[str, float] = field(default_factory=dict)
-    mark: float = field(default_factory=time.perf_counter)
-    posted: int = 0
-    staged_runs: int = 0
-    peer: Peer | None = None
-    live: list[XferHandle] = field(default_factory=list)
-    """Transfers still running when the load failed (fenced until they end)."""
-    slot: int | None = None
-    """The staging slot a live READ may still write into."""
-    pushed: list[int] = field(default_factory=list)
-    """P ranks asked to write (push): each must say its writes ended before a failure
-    is reported."""
-
-    def move(self, to: LoadState) -> None:
-        assert to in TRANSITIONS[self.state], (self.state, to)
-        self.state = to
-
-    def lap(self, stage: str) -> None:
-        """Close ``stage``: the seconds since the previous lap (or since queued)."""
-        now = time.perf_counter()
-        self.stages[stage] = now - self.mark
-        self.mark = now
-
-
 class Consumer:
+    post_runs = 16384
+    """Runs per posted READ request (the deadline is checked between requests)."""
+
     def __init__(
         self,
         engine_id: str,
@@ -293,9 +218,7 @@ class Consumer:
         try:
             for src, r in runs.items():
                 if src not in staged:
-                    s, d, n = r.as_uint64()
-                    handles.append(self.transport.read(peer.agents[src], d, s, n))
-                    job.posted += len(r)
+                    self._post(peer.agents[src], r, deadline, handles, job)
             job.lap("post")
             if self.stager is not None and slot is not None:
                 staged_live: list[XferHandle] = []
@@ -317,6 +240,23 @@ class Consumer:
         if self.stager is not None and not staged:
             nbytes = sum(r.nbytes for r in runs.values())
             self.stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
+
+    def _post(
+        self, agent: str, r: Runs, deadline: float, handles: list[XferHandle], job: _Load
+    ) -> None:
+        """READ ``r`` in requests of at most :attr:`post_runs` runs, the deadline checked
+        before each (posting may copy inside the call: 512,000 small runs once took the
+        whole deadline and more)."""
+        s, d, n = r.as_uint64()
+        for lo in range(0, len(r), self.post_runs):
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"deadline of {self.timeout_s} s passed while posting: {lo} of "
+                    f"{len(r)} runs posted"
+                )
+            hi = lo + self.post_runs
+            handles.append(self.transport.read(agent, d[lo:hi], s[lo:hi], n[lo:hi]))
+            job.posted += len(n[lo:hi])
 
     def _push(self, peer: Peer, job: _Load, runs: dict[int, Runs]) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -7,7 +7,9 @@
 Leaving HELD frees the request's blocks exactly once. A D rank's ``confirm`` is
 answered ``held`` only while the lease is HELD and before its deadline; anything later
 (or a request P does not know) is ``expired``, so D never reports success for bytes
-read after P may have reused the blocks.
+read after P may have reused the blocks. Each D rank's ``begin`` is accepted once (a
+second is ``refused``), and renewals never hold a lease past ``max_hold_s`` after it was
+granted: a D that stalls, or keeps renewing, cannot pin P's blocks for ever.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class Lease:
     deadline: float
     state: LeaseState = LeaseState.HELD
     reported: set[int] = field(default_factory=set)
+    begun: set[int] = field(default_factory=set)
+    granted: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +68,16 @@ class Freed:
 class LeaseTable:
     """Thread-safe; time is ``time.monotonic()`` unless a clock is given."""
 
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_hold_s: float | None = None,
+    ):
+        """``max_hold_s``: the longest a lease can be held, renewals included (default
+        ten lease periods)."""
         self.lease_s = lease_s
+        self.max_hold_s = 10 * lease_s if max_hold_s is None else max_hold_s
         self.clock = clock
         self._lock = threading.Lock()
         self._held: dict[str, Lease] = {}
@@ -75,7 +87,8 @@ class LeaseTable:
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"request {request_id!r} already holds a lease")
-            lease = Lease(request_id, lease_id, tables, digest, self.clock() + self.lease_s)
+            now = self.clock()
+            lease = Lease(request_id, lease_id, tables, digest, now + self.lease_s, granted=now)
             self._held[request_id] = lease
             return lease
 
@@ -87,8 +100,13 @@ class LeaseTable:
                 return LeaseReply("expired")
             if op.tables_digest != lease.digest:
                 return LeaseReply("mismatch")
+            if op.op == "begin" and op.d_rank in lease.begun:
+                return LeaseReply("refused")
             if op.op in ("begin", "renew"):
-                lease.deadline = max(lease.deadline, self.clock() + self.lease_s)
+                if op.op == "begin":
+                    lease.begun.add(op.d_rank)
+                until = min(self.clock() + self.lease_s, lease.granted + self.max_hold_s)
+                lease.deadline = max(lease.deadline, until)
             elif op.d_rank not in range(op.d_world):
                 return LeaseReply("mismatch")
             else:  # confirm / fail: this D rank is finished with the blocks

@@ -89,7 +89,8 @@ class LeaseOp(msgspec.Struct, tag="lease", frozen=True):
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply", frozen=True):
-    state: Literal["held", "expired", "mismatch"]
+    state: Literal["held", "expired", "mismatch", "refused"]
+    """``refused``: a second ``begin`` from the same D rank (a replay or a bug)."""
     remaining_s: float = 0.0
     """Seconds the lease has left when P answers (0 unless ``held``): a duration, since
     P's clock means nothing on D."""

@@ -1,0 +1,88 @@
+"""A D rank's load of one request: its states, its record, and what it reports."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.peers import Peer
+from kvbridge.transport.base import XferHandle
+
+
+class Policy(enum.StrEnum):
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+
+class Mode(enum.StrEnum):
+    PULL = "pull"
+    """D reads P's blocks."""
+    PUSH = "push"
+    """D sends its plan; each P rank writes into D's blocks and notifies."""
+
+
+class LoadState(enum.Enum):
+    QUEUED = "queued"
+    HANDSHAKE = "handshake"
+    TRANSFER = "transfer"
+    VERIFY = "verify"
+    DONE = "done"
+    FAILED = "failed"
+
+
+TRANSITIONS = {
+    LoadState.QUEUED: {LoadState.HANDSHAKE, LoadState.FAILED},
+    LoadState.HANDSHAKE: {LoadState.TRANSFER, LoadState.FAILED},
+    LoadState.TRANSFER: {LoadState.VERIFY, LoadState.FAILED},
+    LoadState.VERIFY: {LoadState.DONE, LoadState.FAILED},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    request_id: str
+    ok: bool
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    failed_blocks: list[list[int]] = field(default_factory=list)
+    """Local block ids per group whose contents are not valid (failures only)."""
+    action: Policy = Policy.RECOMPUTE
+    error: str = ""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Seconds per stage: queue, handshake, lease, plan, post, transfer, verify."""
+    staged_runs: int = 0
+    """Runs moved through the staging area (``descriptors`` counts what was posted:
+    the direct runs plus the staged spans)."""
+
+
+@dataclass(slots=True)
+class _Load:
+    handle: TransferHandle
+    tables: list[list[int]]
+    cached: int
+    state: LoadState = LoadState.QUEUED
+    stages: dict[str, float] = field(default_factory=dict)
+    mark: float = field(default_factory=time.perf_counter)
+    posted: int = 0
+    staged_runs: int = 0
+    peer: Peer | None = None
+    live: list[XferHandle] = field(default_factory=list)
+    """Transfers still running when the load failed (fenced until they end)."""
+    slot: int | None = None
+    """The staging slot a live READ may still write into."""
+    pushed: list[int] = field(default_factory=list)
+    """P ranks asked to write (push): each must say its writes ended before a failure
+    is reported."""
+
+    def move(self, to: LoadState) -> None:
+        assert to in TRANSITIONS[self.state], (self.state, to)
+        self.state = to
+
+    def lap(self, stage: str) -> None:
+        """Close ``stage``: the seconds since the previous lap (or since queued)."""
+        now = time.perf_counter()
+        self.stages[stage] = now - self.mark
+        self.mark = now
