@@ -3,14 +3,20 @@ channel and NIXL go over TCP between two addresses, as between machines."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from contextlib import closing
 
 import pytest
 
+from kvbridge.cli.main import main
+from kvbridge.connector.consumer import Mode
 from kvbridge.control.lease import LeaseState
+from kvbridge.engine import encode, generate
+from kvbridge.engine.pd import DecodeServer, PrefillServer, Router, Side
 from kvbridge.testing.netns import Hosts, unavailable
-from tests.integration.test_pd_processes import Pair, hybrid
+from tests.integration.test_pd_processes import SECRET, Pair, hybrid
 
 WHY = unavailable()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(bool(WHY), reason=WHY)]
@@ -76,3 +82,27 @@ def test_a_partition_longer_than_the_deadline_fails_cleanly(hosts):
         assert pr.d.broadcast("verify", "after", 40, 0, d_tabs) == [0]
     finally:
         pr.close()
+
+
+@pytest.mark.parametrize("mode", [Mode.PULL, Mode.PUSH])
+def test_reference_engine_tokens_exact_between_hosts(hosts, mode):
+    """The reference engine's P (TP 2) on one host, D (TP 1, other block size and
+    layout) on the other: D's tokens are the colocated run's."""
+    prompt = encode("Disaggregated prefill: the decode side continues the story.")
+    want = generate("kimi-linear", prompt, tp=1, n_new_tokens=12)
+    p_side = Side(2, 16, "hnd", netns=hosts.p)
+    d_side = Side(1, 32, "block-major", netns=hosts.d)
+    with (
+        closing(PrefillServer("kimi-linear", p_side, SECRET, host=hosts.p_addr)) as p,
+        closing(DecodeServer("kimi-linear", d_side, SECRET, mode)) as d,
+    ):
+        assert p.producer is not None and p.producer.endpoint.startswith(f"tcp://{hosts.p_addr}:")
+        out = Router(p, d).generate("r1", prompt, 12)
+        assert not out.recomputed, out.error
+        assert out.tokens == want and out.bytes > 0
+
+
+def test_demo_runs_p_and_d_on_two_hosts(capsys):
+    assert main(["demo", "--quick", "--two-hosts", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] and out["all_match"]

@@ -54,6 +54,11 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--quick", action="store_true", help=f"{QUICK} prompts and a cached repeat")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument(
+        "--two-hosts",
+        action="store_true",
+        help="P and D on two simulated hosts: network namespaces on a veth link (root, ip)",
+    )
     p.set_defaults(run=run)
 
 

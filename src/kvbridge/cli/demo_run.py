@@ -5,6 +5,7 @@ with a colocated run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
 import sys
@@ -58,7 +59,20 @@ def run(args: argparse.Namespace) -> int:
     say: Say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     say(f"kvbridge demo: {cfg.name}; P [{p_side}] → D [{d_side}], {args.mode}, NIXL")
     t0 = time.perf_counter()
-    rows = serve(cfg, p_side, d_side, Mode(args.mode), requests, args.new_tokens, say)
+    with contextlib.ExitStack() as stack:
+        host = "127.0.0.1"
+        if getattr(args, "two_hosts", False):
+            from kvbridge.testing.netns import Hosts, unavailable
+
+            if why := unavailable():
+                say(f"--two-hosts: {why}")
+                return 2
+            hosts = stack.enter_context(Hosts())
+            p_side, d_side = replace(p_side, netns=hosts.p), replace(d_side, netns=hosts.d)
+            host = hosts.p_addr
+            say(f"P on {hosts.p} ({hosts.p_addr}), D on {hosts.d} ({hosts.d_addr})")
+        mode = Mode(args.mode)
+        rows = serve(cfg, p_side, d_side, mode, requests, args.new_tokens, say, host)
     summary = Summary(
         cfg.name,
         str(p_side),
@@ -80,11 +94,13 @@ def serve(
     requests: Sequence[DemoRequest],
     n_new: int,
     say: Say,
+    host: str = "127.0.0.1",
 ) -> list[Row]:
-    """Start P and D, run every request through the router, stop them."""
+    """Start P (its side channel on ``host``) and D, run every request through the
+    router, stop them."""
     secret = secrets.token_bytes(16)
     t0 = time.perf_counter()
-    with closing(PrefillServer(cfg, p_side, secret)) as p:
+    with closing(PrefillServer(cfg, p_side, secret, host=host)) as p:
         say(f"P ready: {_procs(p_side.world)} ({time.perf_counter() - t0:.1f} s)")
         t0 = time.perf_counter()
         with closing(DecodeServer(cfg, d_side, secret, mode)) as d:

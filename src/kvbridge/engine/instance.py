@@ -57,7 +57,8 @@ class Instance:
     ``pp``: pipeline stages of ``tp`` ranks each (contiguous layer ranges, as kvbridge's
     ``Parallel`` splits them); ranks are numbered ``stage · tp + tp_rank``.
     ``num_blocks``: blocks per group (state groups: sequence slots); ``timeout_s``: the
-    longest wait for the ranks' answer to one command.
+    longest wait for the ranks' answer to one command; ``netns``: the network namespace
+    the rank processes run in (a simulated host, :mod:`kvbridge.testing.netns`).
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class Instance:
         processes: bool | None = None,
         timeout_s: float = 120.0,
         pp: int = 1,
+        netns: str = "",
     ) -> None:
         self.config = preset(model)
         self.spec = model_spec(self.config, block_size)
@@ -81,7 +83,7 @@ class Instance:
         state = tuple(self.spec.is_state_group(g) for g in range(len(self.spec.groups)))
         self._blocks = BlockAllocator(self._layouts[0], state)
         self._requests: dict[str, Request] = {}
-        boot = Boot(self.config, block_size, layout, num_blocks, tp, pp=pp)
+        boot = Boot(self.config, block_size, layout, num_blocks, tp, pp=pp, netns=netns)
         in_process = self.parallel.world == 1 if processes is None else not processes
         self._ranks = LocalRanks(boot) if in_process else ProcessRanks(boot, timeout_s)
         self.in_process = in_process

@@ -33,6 +33,8 @@ class Boot:
     """TCP port of the gloo rendezvous on 127.0.0.1 (unused at TP 1 in process)."""
     pp: int = 1
     """Pipeline stages; ``rank`` is global (``stage · tp + tp_rank``)."""
+    netns: str = ""
+    """Network namespace the rank process runs in (a simulated host; "": this one)."""
 
 
 @dataclass(frozen=True, slots=True)

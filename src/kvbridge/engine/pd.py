@@ -45,6 +45,9 @@ class Side:
     layout: str = "nhd"
     num_blocks: int = 128
     pp: int = 1
+    netns: str = ""
+    """Run the instance in this network namespace (a simulated host): its rank
+    processes, and for P the coordinator's side channel."""
 
     @property
     def world(self) -> int:
@@ -66,6 +69,7 @@ class Side:
             processes=True,
             timeout_s=timeout_s,
             pp=self.pp,
+            netns=self.netns,
         )
 
 
@@ -101,7 +105,7 @@ class PrefillServer:
         self.engine_id = f"P-{secrets.token_hex(4)}"
         self.engine = side.instance(model, timeout_s)
         self.producer: Producer | None = None
-        self.host, self.advertise = host, advertise
+        self.host, self.advertise, self.netns = host, advertise, side.netns
         try:
             self.producer = self._producer(secret, lease_s)
         except BaseException:
@@ -110,9 +114,18 @@ class PrefillServer:
 
     def _producer(self, secret: bytes, lease_s: float) -> Producer:
         spec, par = self.engine.spec, self.engine.parallel
-        producer = Producer(
-            self.engine_id, spec, par, secret, lease_s, self.host, advertise=self.advertise
-        )
+
+        def make() -> Producer:
+            return Producer(
+                self.engine_id, spec, par, secret, lease_s, self.host, advertise=self.advertise
+            )
+
+        if self.netns:
+            from kvbridge.testing.netns import in_netns
+
+            producer = in_netns(self.netns, make)
+        else:
+            producer = make()
         try:
             serve = ServeKV(self.engine_id, secret, self.host, self.advertise)
             for reply in self.engine.call_ranks(serve):

@@ -79,6 +79,10 @@ class RankEngine:
 
 def worker_main(conn: Connection, boot: Boot) -> None:
     """Entry point of a rank process."""
+    if boot.netns:
+        from kvbridge.testing.netns import enter
+
+        enter(boot.netns)  # before NIXL loads (it lists interfaces from /sys)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",

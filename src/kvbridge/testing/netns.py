@@ -13,7 +13,12 @@ import ctypes
 import os
 import shutil
 import subprocess
+import threading
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
@@ -57,6 +62,29 @@ def enter(netns: str, sysfs: bool = True) -> None:
         check(libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
         check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
         check(libc.mount(netns.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+
+
+def in_netns(netns: str, make: Callable[[], T]) -> T:
+    """``make()`` run by a thread inside ``netns`` (its sockets, and the threads it
+    starts, live there), or here if ``netns`` is empty."""
+    if not netns:
+        return make()
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            enter(netns, sysfs=False)  # sockets only: this process's /sys stays
+            out.append(make())
+        except BaseException as e:
+            err.append(e)
+
+    t = threading.Thread(target=run, name=f"netns-{netns}")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
 
 
 def _ip(*args: str) -> None:

@@ -8,21 +8,17 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any
 
 from kvbridge.connector.producer import Producer
 from kvbridge.errors import TransportError
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.testing.netns import enter
-
-T = TypeVar("T")
+from kvbridge.testing.netns import enter, in_netns
 
 
 @dataclass(frozen=True)
@@ -131,7 +127,7 @@ class Instance:
             for r in range(par.world)
         ]  # fmt: skip
         if side == "P":
-            self.producer = _in_netns(
+            self.producer = in_netns(
                 self.netns,
                 lambda: Producer(
                     f"P-{uuid.uuid4().hex[:6]}", spec, par, secret, lease_s, host=self.host
@@ -153,29 +149,6 @@ class Instance:
             rp.stop()
         if self.producer is not None:
             self.producer.close()
-
-
-def _in_netns(netns: str, make: Callable[[], T]) -> T:
-    """``make()`` run by a thread inside ``netns`` (its sockets, and the threads it
-    starts, live there), or here if ``netns`` is empty."""
-    if not netns:
-        return make()
-    out: list[T] = []
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            enter(netns, sysfs=False)  # sockets only: this process's /sys stays
-            out.append(make())
-        except BaseException as e:
-            err.append(e)
-
-    t = threading.Thread(target=run, name=f"netns-{netns}")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]
-    return out[0]
 
 
 def _rank_main(conn: Connection, rs: RankSpec) -> None:
