@@ -58,6 +58,8 @@ class World:
         timeout_s: float = 5.0,
         staging_bytes: int = 32 << 20,
         mode: Mode = Mode.PULL,
+        p_keys: Keys | None = None,
+        d_keys: Keys | None = None,
     ):
         self.rng = np.random.default_rng(7)
         self.p = Side(SPEC, Parallel(p_tp), "hnd", 32)
@@ -65,13 +67,13 @@ class World:
         self.p.allocate(self.rng)
         self.d.allocate(self.rng)
         self.fabric = Fabric()
-        self.producer = Producer("P", SPEC, self.p.par, SECRET, lease_s=lease_s)
+        self.producer = Producer("P", SPEC, self.p.par, SECRET, lease_s=lease_s, keys=p_keys)
         self.workers: list[ProducerWorker] = []
         for r in range(p_tp):
             agent = LoopbackTransport(f"p{r}", self.fabric)
             bases = list(self.p.bound(r).bases)
             push = (SECRET, "127.0.0.1", timeout_s) if mode is Mode.PUSH else (None,)
-            worker = ProducerWorker(r, self.p.layouts[r], bases, agent, *push)  # type: ignore[arg-type]
+            worker = ProducerWorker(r, self.p.layouts[r], bases, agent, *push, keys=p_keys)  # type: ignore[arg-type,misc]
             self.workers.append(worker)
             self.producer.add_rank(worker.info)
         self.consumers = [
@@ -87,6 +89,7 @@ class World:
                 transfer_timeout_s=timeout_s,
                 staging_bytes=staging_bytes,
                 mode=mode,
+                keys=d_keys,
             )
             for r in range(d_tp)
         ]

@@ -3,17 +3,23 @@ keys off the allow-list get no session; explicit per-deployment keys work."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 
+from kvbridge.connector.consumer import Consumer
 from kvbridge.control.channel import Client, Server
 from kvbridge.control.messages import ErrorReply, Handshake, LeaseOp, LeaseReply, Message
 from kvbridge.control.security import Keys
-from kvbridge.errors import PeerError
+from kvbridge.errors import ConfigError, PeerError
+from kvbridge.transport.loopback import LoopbackTransport
+from tests.unit.test_connector_loopback import SECRET as SPEC_SECRET
+from tests.unit.test_connector_loopback import World, check_bytes
 
 SECRET = b"security-test"
 
@@ -120,3 +126,76 @@ def test_explicit_keys_with_an_allow_list():
         assert len(calls) == 1
     finally:
         server.close()
+
+
+def deployment_keys(tmp_path, clients: int) -> tuple[Path, list[Path]]:
+    """A P keys file allowing ``clients`` D key pairs, and one file per D."""
+    spub, ssec = zmq.curve_keypair()
+    pairs = [zmq.curve_keypair() for _ in range(clients)]
+    p_file = tmp_path / "p.json"
+    p_file.write_text(
+        json.dumps(
+            {"server_public": spub.decode(), "server_secret": ssec.decode(),
+             "allowed": [pub.decode() for pub, _ in pairs]}
+        )
+    )  # fmt: skip
+    d_files = []
+    for i, (pub, sec) in enumerate(pairs):
+        f = tmp_path / f"d{i}.json"
+        f.write_text(
+            json.dumps(
+                {"server_public": spub.decode(), "client_public": pub.decode(),
+                 "client_secret": sec.decode()}
+            )
+        )  # fmt: skip
+        d_files.append(f)
+    return p_file, d_files
+
+
+def test_connector_with_per_instance_keys_and_an_allow_list(tmp_path):
+    """P allows one D's public key: that D loads byte-exact; a D with the right secret
+    but keys P does not list is refused at the handshake, typed."""
+    p_file, (d_file,) = deployment_keys(tmp_path, 1)
+    w = World(p_keys=Keys.load(p_file), d_keys=Keys.load(d_file))
+    try:
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("k", 40)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok, out.error
+        check_bytes(w, before, 40, 0, d_tabs)
+        outsider = Consumer(
+            "D-out", w.d.spec, w.d.par, 0, w.d.layouts[0], list(w.d.bound(0).bases),
+            LoopbackTransport("d-out", w.fabric), SPEC_SECRET,
+        )  # fmt: skip
+        try:
+            handle, d_tabs = w.request("k2", 40)
+            outsider.load(handle, d_tabs)
+            end, got = time.monotonic() + 5, []
+            while not got and time.monotonic() < end:
+                got = outsider.poll()
+                time.sleep(0.01)
+            assert len(got) == 1 and not got[0].ok
+            assert "CURVE handshake failed" in got[0].error, got[0].error
+        finally:
+            outsider.close()
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ("[]", "JSON object"),
+        ('{"server_public": "short"}', "40 characters"),
+        ('{"client_public": "' + "x" * 40 + '"}', "server_public is required"),
+        ('{"server_public": "' + "~" * 40 + '"}', "Z85"),
+        ('{"serverpublic": 1}', "unknown keys"),
+        ("{", "CURVE keys file"),
+    ],
+)
+def test_bad_keys_files_are_refused_naming_the_problem(tmp_path, body, why):
+    f = tmp_path / "k.json"
+    f.write_text(body)
+    with pytest.raises(ConfigError, match=why):
+        Keys.load(f)

@@ -46,3 +46,17 @@ def test_model_id_defaults_to_the_fingerprint_and_can_be_set() -> None:
     assert read_config(kv(model_id="llama-ft-7"), hf).model_id == "llama-ft-7"
     with pytest.raises(ConfigError, match="unknown keys"):
         read_config(kv(model="x"), hf)
+
+
+def test_keys_file_and_advertise_are_read_and_a_bad_keys_file_refused(tmp_path) -> None:
+    import zmq
+
+    pub, sec = zmq.curve_keypair()
+    good = tmp_path / "k.json"
+    good.write_text(f'{{"server_public": "{pub.decode()}", "server_secret": "{sec.decode()}"}}')
+    cfg = read_config(kv(keys_file=str(good), advertise="10.0.0.7", host="0.0.0.0"), None)
+    assert (cfg.keys_file, cfg.advertise, cfg.host) == (str(good), "10.0.0.7", "0.0.0.0")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"server_public": "nope"}')
+    with pytest.raises(ConfigError, match="40 characters"):
+        read_config(kv(keys_file=str(bad)), None)

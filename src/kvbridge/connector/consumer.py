@@ -27,6 +27,7 @@ from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
 from kvbridge.connector.staging import Stager
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
+from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, PlanError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
@@ -59,18 +60,18 @@ class Consumer:
         model_id: str = "",
         pad_blocks: bool = False,
         staging_bytes: int = 32 << 20,
+        keys: Keys | None = None,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
         first and last blocks that lie outside the tokens D needs (see
         :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls of many small runs, split
-        in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`)."""
+        in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`).
+        ``keys``: CURVE keys of the side channel (default: derived from ``secret``)."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
-        self.transport, self.secret = transport, secret
-        self.policy = policy
-        self.timeout_s = transfer_timeout_s
-        self.mode = mode
+        self.transport, self.secret, self.policy = transport, secret, policy
+        self.timeout_s, self.mode = transfer_timeout_s, mode
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
         self.stager: Stager | None = None
         if staging_bytes >= workers * 4096 and mode is Mode.PULL:
@@ -79,19 +80,10 @@ class Consumer:
         extra = [self.stager.pool.region if self.stager else self._probe.region]
         self.metadata = transport.register(regions + extra)
         self._notifs: set[bytes] = set()
-        bound = Bound(layout, tuple(bases))
         self.peers = PeerCache(
-            engine_id,
-            spec,
-            par,
-            rank,
-            bound,
-            transport,
-            secret,
-            timeout_s=transfer_timeout_s,
-            model_id=model_id,
-            pad_blocks=pad_blocks,
-        )
+            engine_id, spec, par, rank, Bound(layout, tuple(bases)), transport, secret,
+            timeout_s=transfer_timeout_s, model_id=model_id, pad_blocks=pad_blocks, keys=keys,
+        )  # fmt: skip
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}
@@ -316,7 +308,7 @@ class Consumer:
                 peer: Peer | Client | None = self.peers.known(job.handle)
                 if peer is None:
                     peer = clients.pop(job.handle.endpoint, None) or Client(
-                        job.handle.endpoint, self.secret, min(self.timeout_s, 1.0)
+                        job.handle.endpoint, self.secret, min(self.timeout_s, 1.0), self.peers.keys
                     )
                     clients[job.handle.endpoint] = peer  # most recent last
                 with contextlib.suppress(KVBridgeError):  # the load itself will find out

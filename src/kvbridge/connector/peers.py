@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply, rank_layout
+from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout
 from kvbridge.plan.build import Geometry
 from kvbridge.plan.geometry import Bound
@@ -33,6 +34,8 @@ class Peer:
     timeout_s: float = 5.0
     clients: dict[int, Client] = field(default_factory=dict)
     probe_addrs: dict[int, int] = field(default_factory=dict)
+    keys: Keys | None = None
+    """CURVE keys of the side channels (None: derived from ``secret``)."""
     users: int = 0
     """Loads using this peer now (:meth:`PeerCache.get` … :meth:`PeerCache.done`)."""
     """Per P rank, one address in its registered memory (a liveness probe reads 1 B)."""
@@ -42,7 +45,9 @@ class Peer:
         if not self.endpoints.get(rank):
             raise PeerError(f"P rank {rank} of {self.engine_id!r} serves no push channel")
         if rank not in self.clients:
-            self.clients[rank] = Client(self.endpoints[rank], self.secret, self.timeout_s)
+            self.clients[rank] = Client(
+                self.endpoints[rank], self.secret, self.timeout_s, self.keys
+            )
         return self.clients[rank]
 
 
@@ -66,13 +71,14 @@ class PeerCache:
         model_id: str = "",
         pad_blocks: bool = False,
         max_peers: int = 64,
+        keys: Keys | None = None,
     ):
         """``timeout_s`` bounds each side-channel call to a P (handshake, lease, push);
         a P whose ``model_id`` differs from ``model_id`` is refused."""
         self.timeout_s, self.model_id, self.pad_blocks = timeout_s, model_id, pad_blocks
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.bound, self.transport, self.secret = bound, transport, secret
-        self.max_peers = max_peers
+        self.max_peers, self.keys = max_peers, keys
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}  # least recently used first
         self._busy: dict[str, threading.Event] = {}
@@ -140,7 +146,7 @@ class PeerCache:
 
     def _handshake(self, handle: TransferHandle) -> Peer:
         t0 = time.perf_counter()
-        client = Client(handle.endpoint, self.secret, self.timeout_s)
+        client = Client(handle.endpoint, self.secret, self.timeout_s, self.keys)
         try:
             reply = self._ask(client, handle)
             return self._connect(handle, client, reply, t0)
@@ -209,6 +215,7 @@ class PeerCache:
             self.secret,
             self.timeout_s,
             probe_addrs={i.rank: i.bases[0] for i in reply.ranks if i.bases},
+            keys=self.keys,
         )
 
     def _forget(self, peer: Peer) -> None:

@@ -30,6 +30,7 @@ from kvbridge.control.messages import (
     tables_digest,
     wire_layout,
 )
+from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.spec.model import ModelSpec
@@ -60,6 +61,7 @@ class ProducerWorker:
         host: str = "127.0.0.1",
         push_timeout_s: float = 10.0,
         advertise: str = "",
+        keys: Keys | None = None,
     ):
         self.rank = rank
         self.transport = transport
@@ -70,7 +72,9 @@ class ProducerWorker:
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
         meta = transport.register(regions)
         self.server = (
-            Server(self._handle, secret, host, advertise=advertise) if secret is not None else None
+            Server(self._handle, secret, host, advertise=advertise, keys=keys)
+            if secret is not None
+            else None
         )
         endpoint = self.server.endpoint if self.server else ""
         self.info = wire_layout(rank, layout, bases, meta, endpoint)
@@ -125,11 +129,13 @@ class Producer:
         port: int = 0,
         model_id: str = "",
         advertise: str = "",
+        keys: Keys | None = None,
     ):
         """``model_id`` names what P serves; a D with another id is refused at the
         handshake (two models with the same KV shapes would otherwise exchange bytes).
         ``host``/``port``: where the side channel binds; ``advertise``: the address D
-        connects to, if not ``host`` (see :class:`~kvbridge.control.channel.Server`)."""
+        connects to, if not ``host`` (see :class:`~kvbridge.control.channel.Server`);
+        ``keys``: CURVE keys and allow-list (default: derived from ``secret``)."""
         self.engine_id = engine_id
         self.model_id = model_id
         self.spec = spec
@@ -137,7 +143,7 @@ class Producer:
         self.epoch = secrets.token_hex(8)
         self.leases = LeaseTable(lease_s)
         self.ranks: dict[int, RankInfo] = {}
-        self.server = Server(self._handle, secret, host, port, advertise=advertise)
+        self.server = Server(self._handle, secret, host, port, advertise=advertise, keys=keys)
 
     @property
     def endpoint(self) -> str:

@@ -54,7 +54,7 @@ def push_fence_checks(
     checks: list[Callable[[], bool]] = []
     closers: list[Callable[[], None]] = []
     for src in sorted(set(ranks)):
-        client = Client(peer.endpoints[src], peer.secret, FENCE_TIMEOUT_S)
+        client = Client(peer.endpoints[src], peer.secret, FENCE_TIMEOUT_S, peer.keys)
         check = _RankFence(client, request_id, transport, peer.agents.get(src), probe_addr)
         check.remote = peer.probe_addrs.get(src)
         checks.append(check)

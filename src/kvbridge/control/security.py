@@ -24,14 +24,16 @@ secret).
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 
 
 def _key_pair(secret: bytes, label: bytes) -> tuple[bytes, bytes]:
@@ -61,6 +63,44 @@ class Keys:
         spub, ssec = _key_pair(secret, b"server")
         cpub, csec = _key_pair(secret, b"client")
         return Keys(spub, ssec, cpub, csec, frozenset({cpub}))
+
+    @staticmethod
+    def load(path: str | Path) -> Keys:
+        """Keys from a JSON file: ``server_public`` (every side), ``server_secret`` and
+        ``allowed`` (a list of client public keys; P), ``client_public`` and
+        ``client_secret`` (D). Z85 text as ``zmq.curve_keypair()`` makes it. A key a side
+        does not need may be left out; a malformed one is a :class:`ConfigError`."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"CURVE keys file {path}: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"CURVE keys file {path}: expected a JSON object")
+        unknown = set(raw) - {*KEY_FIELDS, "allowed"}
+        if unknown:
+            raise ConfigError(f"CURVE keys file {path}: unknown keys {sorted(unknown)}")
+        vals = {k: _z85(path, k, raw.get(k, "")) for k in KEY_FIELDS}
+        allowed = raw.get("allowed", [])
+        if not isinstance(allowed, list):
+            raise ConfigError(f"CURVE keys file {path}: allowed must be a list")
+        if not vals["server_public"]:
+            raise ConfigError(f"CURVE keys file {path}: server_public is required")
+        return Keys(**vals, allowed=frozenset(_z85(path, "allowed", k) for k in allowed))
+
+
+KEY_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
+
+
+def _z85(path: str | Path, name: str, value: object) -> bytes:
+    if value == "":
+        return b""
+    if not isinstance(value, str) or len(value) != 40:
+        raise ConfigError(f"CURVE keys file {path}: {name} must be 40 characters of Z85 text")
+    try:
+        z85.decode(value)
+    except (ValueError, KeyError):
+        raise ConfigError(f"CURVE keys file {path}: {name} is not Z85 text") from None
+    return value.encode()
 
 
 class _AllowList:

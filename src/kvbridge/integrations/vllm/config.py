@@ -12,6 +12,8 @@
                 outlive a first NIXL connection, seen to block for up to 31 s)
     timeout_s   D's deadline for one request's transfer and for each side-channel call
                 to P (handshake, lease, push; default 10)
+    keys_file   CURVE keys and allow-list (JSON, see :meth:`Keys.load`) instead of keys
+                derived from the secret
     model_id    what this engine serves; P and D must agree (default: a fingerprint of
                 the model's config, see :func:`model_fingerprint`)
 """
@@ -24,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.control.security import Keys
 from kvbridge.errors import ConfigError
 
 
@@ -39,7 +42,11 @@ class ConnectorConfig:
     timeout_s: float = 10.0
     model_id: str = ""
     advertise: str = ""
+    keys_file: str = ""
 
+
+KNOWN = {"host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file"}
+"""``kv_connector_extra_config`` keys besides the secret."""
 
 VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
 """Config keys that name where or how a model was loaded, not which model it is."""
@@ -68,7 +75,15 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
         raise ConfigError(
             "kvbridge needs a shared secret: kv_connector_extra_config.secret or KVBRIDGE_SECRET"
         )
-    unknown = set(extra) - {"host", "port", "lease_s", "timeout_s", "model_id", "advertise"}
+    unknown = set(extra) - {
+        "host",
+        "port",
+        "lease_s",
+        "timeout_s",
+        "model_id",
+        "advertise",
+        "keys_file",
+    }
     if unknown:
         raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
     try:
@@ -83,6 +98,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             float(extra.get("timeout_s", 10.0)),
             str(extra.get("model_id") or (model_fingerprint(hf_config) if hf_config else "")),
             str(extra.get("advertise", "")),
+            str(extra.get("keys_file", "")),
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
@@ -90,4 +106,6 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
         raise ConfigError(
             f"kv_connector_extra_config {extra}: lease_s, timeout_s > 0, port in range"
         )
+    if cfg.keys_file:
+        Keys.load(cfg.keys_file)  # refuse a bad file at start-up, not at the first request
     return cfg

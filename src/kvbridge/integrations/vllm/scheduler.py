@@ -21,6 +21,7 @@ from typing import Any
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import Producer
 from kvbridge.control.messages import RankInfo
+from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PeerError
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
@@ -67,6 +68,7 @@ class SchedulerSide:
             self.cfg.port,
             self.cfg.model_id,
             self.cfg.advertise,
+            Keys.load(self.cfg.keys_file) if self.cfg.keys_file else None,
         )
         for info in ranks:
             self.producer.add_rank(info)

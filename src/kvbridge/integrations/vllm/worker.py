@@ -15,6 +15,7 @@ from typing import Any
 
 from kvbridge.connector.consumer import Consumer, Outcome
 from kvbridge.connector.producer import ProducerWorker
+from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError
 from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout
 from kvbridge.integrations.vllm.config import ConnectorConfig
@@ -67,6 +68,7 @@ class WorkerSide:
                 transfer_timeout_s=self.cfg.timeout_s,
                 model_id=self.cfg.model_id,
                 pad_blocks=True,  # vLLM writes a slot before any read of it
+                keys=Keys.load(self.cfg.keys_file) if self.cfg.keys_file else None,
             )
 
     def handshake_meta(self) -> RankMeta | None:
