@@ -106,3 +106,35 @@ def test_demo_runs_p_and_d_on_two_hosts(capsys):
     assert main(["demo", "--quick", "--two-hosts", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] and out["all_match"]
+
+
+def test_a_read_slower_than_the_deadline_is_fenced_not_landed_late(hosts, monkeypatch):
+    """UCX on TCP between the hosts, P's link limited to 200 kbit/s: a request's READ
+    outlives D's 1 s deadline. D reports the failure only once the READ ended, and after
+    that report nothing lands in its (reused) blocks."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    pr = pair(hosts, timeout_s=1.0)
+    try:
+        handle, d_tabs = pr.prefill("warm", 20)
+        pr.load(handle, d_tabs)
+        assert pr.wait(["warm"])[0]["warm"].ok
+        handle, d_tabs = pr.prefill("slow", 64)
+        hosts.slow("200kbit")
+        try:
+            pr.load(handle, d_tabs, snap=False)
+            (outs,) = pr.wait(["slow"], timeout=60.0)
+            out = outs["slow"]
+            assert not out.ok and "TransferTimeout" in out.error, out
+            pr.d.broadcast("scribble")  # the engine reuses the blocks
+            time.sleep(1.0)
+        finally:
+            hosts.fast()
+        # the next request keeps D's agent busy: a READ left running would land now
+        handle, d_tabs = pr.prefill("next", 40)
+        pr.load(handle, d_tabs, snap=False)
+        assert pr.wait(["next"])[0]["next"].ok
+        time.sleep(1.0)
+        assert pr.d.broadcast("verify", "next", 40, 0, d_tabs, True) == [0]
+        assert out.stages.get("fence", 0) > 0.2, out.stages  # held past the deadline
+    finally:
+        pr.close()

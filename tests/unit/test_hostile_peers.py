@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge.connector.consumer import Mode
+from kvbridge.connector.consumer import Consumer, Mode
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control.channel import Client
@@ -38,13 +38,19 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def warm(w: World) -> tuple[Consumer, TransferHandle, list[list[int]]]:
+    """D rank 0 after one good load from P (the peer cached), and that load's handle."""
+    c = w.consumers[0]
+    handle, d_tabs = w.request("ok1", 30)
+    c.load(handle, d_tabs)
+    assert w.wait()[0].ok
+    return c, handle, d_tabs
+
+
 def test_a_forged_handle_does_not_sever_a_working_link():
     w = World(timeout_s=0.5)
     try:
-        c = w.consumers[0]
-        handle, d_tabs = w.request("ok1", 30)
-        c.load(handle, d_tabs)
-        assert w.wait()[0].ok
+        c, handle, d_tabs = warm(w)
         for i, bad in enumerate(
             [
                 forged(handle, request_id="f1", epoch="0" * 16, endpoint=dead_endpoint()),
@@ -68,10 +74,7 @@ def test_a_forged_handle_does_not_sever_a_working_link():
 def test_thousands_of_engine_ids_leave_peers_and_fds_bounded():
     w = World(timeout_s=0.5)
     try:
-        c = w.consumers[0]
-        handle, d_tabs = w.request("ok", 30)
-        c.load(handle, d_tabs)
-        assert w.wait()[0].ok
+        c, handle, d_tabs = warm(w)
         fds = open_fds()
         n = 2000
         for i in range(n):

@@ -122,6 +122,21 @@ class Hosts:
     def heal(self) -> None:
         _ip("-n", self.p, "link", "set", self._p_if, "up")
 
+    def slow(self, rate: str) -> None:
+        """A slow link: P's egress (what D reads) limited to ``rate`` (tc's units, e.g.
+        ``200kbit``) by a token bucket; :meth:`fast` lifts it."""
+        tc = ["tc", "qdisc", "replace", "dev", self._p_if, "root", "tbf", "rate", rate]
+        subprocess.run(
+            ["ip", "netns", "exec", self.p, *tc, "burst", "16kb", "latency", "5s"],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+
+    def fast(self) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", self.p, "tc", "qdisc", "del", "dev", self._p_if, "root"],
+            capture_output=True,
+        )
+
     def close(self) -> None:
         for ns in (self.p, self.d):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -80,10 +80,15 @@ class RankWorker:
             time.sleep(0.002)
         return {i: self.outcomes.pop(i) for i in ids if i in self.outcomes}
 
-    def cmd_verify(self, rid: str, n: int, cached: int, tables: list[list[int]]) -> int:
-        """Bytes that differ from the reference (whole memory if a snapshot was taken)."""
+    def cmd_verify(
+        self, rid: str, n: int, cached: int, tables: list[list[int]], scribbled: bool = False
+    ) -> int:
+        """Bytes that differ from the reference (whole memory if a snapshot was taken, or
+        if ``scribbled``: memory was all :meth:`cmd_scribble`'s pattern before the load)."""
         rs = self.rs
         before = self.snapshots.pop(rid, None)
+        if scribbled:
+            before = [np.full_like(b, 0xAB) for b in self.bufs]
         base = before if before is not None else self.bufs
         want = expected_dest(rs.spec, rs.par, rs.rank, self.layout, base, n, cached, tables)
         return sum(int((g != w).sum()) for g, w in zip(self.bufs, want, strict=True))
