@@ -14,10 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.connector.consumer import Consumer, Mode
+from kvbridge.connector.consumer import Consumer, Mode, Outcome
+from kvbridge.connector.fence import Fence, Held
 from kvbridge.control.messages import PushFence, PushRuns
 from kvbridge.errors import PeerError
-from kvbridge.transport.loopback import LoopbackTransport
+from kvbridge.transport.loopback import Fabric, LoopbackTransport
 from tests.unit.test_connector_loopback import SECRET, World
 
 SCRIBBLE = 0xAB
@@ -149,3 +150,48 @@ def test_posting_stops_at_the_deadline():
             slow.close()
     finally:
         w.close()
+
+
+def test_a_push_to_a_p_without_push_channels_fails_and_is_reported():
+    """P ranks serve no push channel: D's push fails at once, typed, and the outcome is
+    delivered (nothing was sent, nothing to fence); the peer is not pinned."""
+    w = World(timeout_s=2.0)  # pull P: no push channels
+    try:
+        c = w.consumers[0]
+        c.mode = Mode.PUSH
+        handle, d_tabs = w.request("r1", 20)
+        c.load(handle, d_tabs)
+        (out,) = w.wait(timeout=3)
+        assert not out.ok and "serves no push channel" in out.error, out.error
+        assert c.pending() == 0 and c.fence.held() == 0
+        peer = c.peers.known(handle)
+        assert peer is not None and peer.users == 0
+    finally:
+        w.close()
+
+
+def test_the_fence_survives_a_check_that_raises():
+    """A check raising an unexpected error is logged and asked again; the outcome still
+    arrives, and a clean-up that raises does not cost it."""
+    got: list[Outcome] = []
+    fence = Fence(LoopbackTransport("fence-only", Fabric()), got.append)
+    calls = []
+
+    def flaky() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("socket trouble")
+        return True
+
+    def broken_cleanup() -> None:
+        raise OSError("already closed")
+
+    try:
+        fence.hold(Held(Outcome("x", False, error="E"), [], [flaky], [broken_cleanup]))
+        end = time.monotonic() + 3
+        while not got and time.monotonic() < end:
+            time.sleep(0.01)
+        assert [o.request_id for o in got] == ["x"] and len(calls) >= 2
+        assert fence.held() == 0
+    finally:
+        fence.close()

@@ -202,3 +202,28 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_sent():
         client.call(ErrorReply("x", "y" * (MAX_FRAME + 1)))
     assert time.monotonic() - t0 < 1.0
     client.close()
+
+
+def test_a_restarted_p_reusing_its_agent_names_keeps_working():
+    """P restarts (new epoch) with the same NIXL agent names: D handshakes the new epoch,
+    and dropping the old peer must not remove the names the new one now uses."""
+    w = World()
+    try:
+        c, handle, d_tabs = warm(w)
+        w.producer.close()
+        for wk in w.workers:
+            wk.close()
+        w.producer = Producer("P", SPEC, w.p.par, SECRET)  # new epoch, same engine id
+        for r in range(w.p.par.world):
+            old = w.fabric.agents.pop(f"p{r}")
+            assert isinstance(old, LoopbackTransport)
+            agent = LoopbackTransport(f"p{r}", w.fabric)  # the same name again
+            bases = list(w.p.bound(r).bases)
+            w.producer.add_rank(ProducerWorker(r, w.p.layouts[r], bases, agent).info)
+        for i in range(2):
+            handle, d_tabs = w.request(f"again{i}", 33)
+            c.load(handle, d_tabs)
+            (out,) = w.wait()
+            assert out.ok, out.error
+    finally:
+        w.close()

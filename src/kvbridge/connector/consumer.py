@@ -176,7 +176,11 @@ class Consumer:
                 error=f"{type(e).__name__}: {e}",
                 stages=job.stages,
             )
-            self.fence.hold(self._held(job, out))
+            try:
+                self.fence.hold(self._held(job, out))
+            except Exception:  # never lose the outcome: hold on the transfers alone
+                log.exception("fencing %s failed", job.handle.request_id)
+                self.fence.hold(Held(out, job.live))
             return
         self.peers.done(peer)
         self._deliver(out)
@@ -259,6 +263,8 @@ class Consumer:
                 if want <= self._notifs:
                     self._notifs -= want
                     return
+                if len(self._notifs) > 65536:  # late ones of failed requests: forget
+                    self._notifs = set(want & self._notifs)
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"push notifications missing after {self.timeout_s} s")
             time.sleep(0.0005)
@@ -274,6 +280,8 @@ class Consumer:
             raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
         if reply.state == "mismatch":
             raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
+        if reply.state == "refused":
+            raise PeerError(f"P refused a second {op} of {h.request_id!r} from this D rank")
         if reply.state != "held":
             raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
         return reply
@@ -324,5 +332,8 @@ class Consumer:
         self._renewer.join(timeout=2)
         for item in self.fence.close():
             log.warning("closing with %s still fenced", item.outcome.request_id)
+            for fn in item.on_end:
+                with contextlib.suppress(Exception):
+                    fn()
         self._tell_p.shutdown(wait=False, cancel_futures=True)
         self.peers.close()

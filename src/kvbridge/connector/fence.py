@@ -43,10 +43,18 @@ class Held:
     checks: list[Check] = field(default_factory=list)
     on_end: list[Callable[[], None]] = field(default_factory=list)
     since: float = field(default_factory=time.monotonic)
+    reminded: float = 0.0
 
 
 class Fence:
-    """Holds failed loads until their transfers ended; ``deliver`` gets each outcome."""
+    """Holds failed loads until their transfers ended; ``deliver`` gets each outcome.
+
+    Only the fence's own thread asks P ranks (each question may wait up to a second);
+    an exception while checking or releasing one load is logged and that load is checked
+    again later — the thread never dies of it. A load held for a long time is logged
+    again every :attr:`REMIND_S` seconds."""
+
+    REMIND_S = 60.0
 
     def __init__(self, transport: Transport, deliver: Callable[[Outcome], None]):
         self.transport, self.deliver = transport, deliver
@@ -59,7 +67,7 @@ class Fence:
 
     def hold(self, item: Held) -> None:
         """Deliver ``item.outcome`` now if nothing can land any more, else hold it."""
-        if self._settled(item):
+        if not item.checks and self._settled(item):
             self._release(item)
             return
         log.warning(
@@ -83,12 +91,37 @@ class Fence:
 
     def _release(self, item: Held) -> None:
         for fn in item.on_end:
-            fn()
+            try:
+                fn()
+            except Exception:  # a clean-up must not cost the outcome
+                log.exception("fence: clean-up of %s failed", item.outcome.request_id)
         held = time.monotonic() - item.since
         stages = dict(item.outcome.stages)
         if held > 1e-3:
             stages["fence"] = held
         self.deliver(replace(item.outcome, stages=stages))
+
+    def _visit(self, item: Held) -> None:
+        try:
+            done = self._settled(item)
+        except Exception:
+            log.exception("fence: checking %s failed; checked again", item.outcome.request_id)
+            return
+        if not done:
+            waited = time.monotonic() - item.since
+            if waited > item.reminded + self.REMIND_S:
+                item.reminded = waited
+                log.warning(
+                    "request %s still fenced after %.0f s: %d transfer(s), %d P rank(s) "
+                    "have not ended (a stopped or cut-off peer)",
+                    item.outcome.request_id, waited, len(item.handles), len(item.checks),
+                )  # fmt: skip
+            return
+        with self._lock:
+            if item not in self._held:
+                return  # closed meanwhile
+            self._held.remove(item)
+        self._release(item)
 
     def _loop(self) -> None:
         pause = 0.005
@@ -101,10 +134,9 @@ class Fence:
                 pause = 0.005
                 continue
             for item in items:
-                if self._settled(item):
-                    with self._lock:
-                        self._held.remove(item)
-                    self._release(item)
+                if self._stop.is_set():
+                    return
+                self._visit(item)
             self._stop.wait(pause)
             pause = min(pause * 2, 0.25)
 
@@ -112,7 +144,7 @@ class Fence:
         """Stop polling; returns what is still held (its transfers may still land)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=2)
+        self._thread.join(timeout=5)
         with self._lock:
             out, self._held = self._held, []
         return out

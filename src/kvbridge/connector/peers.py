@@ -219,7 +219,11 @@ class PeerCache:
         )
 
     def _forget(self, peer: Peer) -> None:
-        for name in peer.agents.values():
+        """Drop ``peer``'s channels and its transport peers, except names a cached peer
+        uses too (a restarted P may reuse its agents' names)."""
+        with self._lock:
+            kept = {n for p in [*self._peers.values(), *self._stale] for n in p.agents.values()}
+        for name in set(peer.agents.values()) - kept:
             self.transport.remove_peer(name)
         peer.client.close()
         for c in peer.clients.values():

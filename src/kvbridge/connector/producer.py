@@ -80,6 +80,7 @@ class ProducerWorker:
         self.info = wire_layout(rank, layout, bases, meta, endpoint)
 
     def _handle(self, msg: Message) -> Message:
+        self._sweep()
         if isinstance(msg, PushFence):
             return self._fence(msg.request_id)
         if not isinstance(msg, PushRuns):
@@ -102,6 +103,15 @@ class ProducerWorker:
             self._running.setdefault(msg.request_id, []).append(handle)
             raise
         return PushReply(int(src.shape[0]))
+
+    def _sweep(self) -> None:
+        """Release kept writes that ended, whoever asks (D may never ask again)."""
+        for rid in list(self._running):
+            left = [h for h in self._running[rid] if not self.transport.ended(h)]
+            if left:
+                self._running[rid] = left
+            else:
+                del self._running[rid]
 
     def _fence(self, request_id: str) -> FenceReply:
         self._fenced[request_id] = None

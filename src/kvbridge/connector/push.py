@@ -36,8 +36,9 @@ def push_runs(
     for src, r in runs.items():
         notif = f"kvb:{request_id}:{src}:{rank}".encode()
         s, d, n = (a.astype("<u8").tobytes() for a in r.as_uint64())
+        client = peer.rank_client(src)  # a rank without a push channel: nothing sent
         pushed.append(src)
-        reply = peer.rank_client(src).call(PushRuns(request_id, agent, s, d, n, notif))
+        reply = client.call(PushRuns(request_id, agent, s, d, n, notif))
         if not isinstance(reply, PushReply):
             raise PeerError(f"push: unexpected reply {type(reply).__name__}")
         want.add(notif)
@@ -49,8 +50,14 @@ def push_fence_checks(
 ) -> tuple[list[Callable[[], bool]], list[Callable[[], None]]]:
     """One check per P rank in ``ranks``: True once that rank answered that none of its
     writes for ``request_id`` is running (and it will refuse any later push of it), or
-    once a 1-byte READ from it failed (its agent is gone: nothing of it can land).
-    ``probe_addr``: 1 registered byte of D's own for that READ. Also the closers."""
+    once a 1-byte READ from it was posted and then failed as NIXL reports it (a killed
+    rank: its connection is gone). ``probe_addr``: 1 registered byte of D's own for that
+    READ. Also the closers.
+
+    Limit: the probe sees D's connection to the rank, not the rank's to D. A rank that
+    is alive but cut off long enough for D's connection to fail, and whose own write to
+    D then resumes when the link heals, could still land bytes after the report. Pull
+    mode has no such gap (D owns the READs it waits for)."""
     checks: list[Callable[[], bool]] = []
     closers: list[Callable[[], None]] = []
     for src in sorted(set(ranks)):
@@ -90,8 +97,8 @@ class _RankFence:
                 self.probe = self.transport.read(
                     self.agent, one * self.local, one * self.remote, one
                 )
-            except TransportError as e:
-                return "unknown peer" not in str(e)  # NIXL refused to post: the link is dead
+            except TransportError:
+                return False  # not posted: proves nothing, ask again later
         try:
             state = self.transport.poll(self.probe)
         except TransportError:

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -46,8 +47,26 @@ class Server:
         self.secret = secret
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._auth = secure_server(self._ctx, self._sock, keys or Keys.from_secret(secret))
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._auth: Any = None
+        try:
+            self._auth = secure_server(self._ctx, self._sock, keys or Keys.from_secret(secret))
+            self.endpoint = self._bind(host, port, advertise)
+        except BaseException as e:
+            self._sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.term()
+            if isinstance(e, zmq.ZMQError):
+                raise TransportError(f"side channel cannot bind {host}:{port}: {e}") from None
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name="kvbridge-sidechannel", daemon=True
+        )
+        self._thread.start()
+
+    def _bind(self, host: str, port: int, advertise: str) -> str:
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
         if ":" in host and host != "*":
             self._sock.setsockopt(zmq.IPV6, 1)
@@ -56,12 +75,7 @@ class Server:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{_bracket(host)}")
         shown = advertise or (reachable_address() if host in WILDCARDS else host)
-        self.endpoint = f"tcp://{_bracket(shown)}:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._serve, name="kvbridge-sidechannel", daemon=True
-        )
-        self._thread.start()
+        return f"tcp://{_bracket(shown)}:{port}"
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -137,18 +151,32 @@ class Client:
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = None
         self._mon: zmq.Socket | None = None
+        self._closed = False
 
     def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        if self._closed:
+            raise TransportError(f"side channel to {self.endpoint} is closed")
         if self._sock is None or self._mon is None:
             s = self._ctx.socket(zmq.REQ)
-            secure_client(s, self.keys)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-            s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
-            s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
-            self._mon = s.get_monitor_socket(HANDSHAKE_FAILED)
-            s.connect(self.endpoint)
+            try:
+                s.setsockopt(zmq.LINGER, 0)
+                secure_client(s, self.keys)
+                s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+                s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+                s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+                self._mon = s.get_monitor_socket(HANDSHAKE_FAILED)
+                s.connect(self.endpoint)
+            except BaseException as e:
+                self._sock = s
+                self._reset()
+                if isinstance(e, zmq.ZMQError):
+                    raise TransportError(f"side channel to {self.endpoint!r}: {e}") from None
+                raise
             self._sock = s
+        else:  # events of an earlier connection must not fail this call
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    self._mon.recv_multipart(zmq.NOBLOCK)
         return self._sock, self._mon
 
     def _recv(self, sock: zmq.Socket, mon: zmq.Socket) -> bytes:
@@ -166,7 +194,8 @@ class Client:
                 event = zmq.Event(recv_monitor_message(mon)["event"])
                 raise PeerError(
                     f"side channel {self.endpoint}: CURVE handshake failed ({event.name}): "
-                    "this side's keys or secret are not the server's"
+                    "this side's keys or secret are not the server's, or the connection "
+                    "dropped during the handshake"
                 )
         raise zmq.Again()
 
@@ -212,4 +241,5 @@ class Client:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._reset()

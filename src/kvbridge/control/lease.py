@@ -100,6 +100,8 @@ class LeaseTable:
                 return LeaseReply("expired")
             if op.tables_digest != lease.digest:
                 return LeaseReply("mismatch")
+            if op.d_rank not in range(op.d_world):
+                return LeaseReply("mismatch")
             if op.op == "begin" and op.d_rank in lease.begun:
                 return LeaseReply("refused")
             if op.op in ("begin", "renew"):
@@ -107,8 +109,6 @@ class LeaseTable:
                     lease.begun.add(op.d_rank)
                 until = min(self.clock() + self.lease_s, lease.granted + self.max_hold_s)
                 lease.deadline = max(lease.deadline, until)
-            elif op.d_rank not in range(op.d_world):
-                return LeaseReply("mismatch")
             else:  # confirm / fail: this D rank is finished with the blocks
                 lease.reported.add(op.d_rank)
                 if len(lease.reported) >= op.d_world:

@@ -114,6 +114,8 @@ class _AllowList:
 def secure_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], keys: Keys) -> Any:
     """Make ``sock`` a CURVE server accepting only ``keys.allowed``; returns the ZAP
     authenticator (stop it when the context is done)."""
+    if not keys.server_secret or not keys.server_public:
+        raise ConfigError("a side-channel server needs server_public and server_secret")
     auth = zmq.auth.thread.ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve_callback("*", _AllowList(keys.allowed))
@@ -125,6 +127,10 @@ def secure_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], keys: Keys) -> A
 
 def secure_client(sock: zmq.Socket[Any], keys: Keys) -> None:
     """Make ``sock`` a CURVE client of a server holding ``keys.server_secret``."""
+    if not (keys.server_public and keys.client_public and keys.client_secret):
+        raise ConfigError(
+            "a side-channel client needs server_public, client_public and client_secret"
+        )
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.client_public
     sock.curve_secretkey = keys.client_secret
