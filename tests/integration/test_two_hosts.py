@@ -51,11 +51,12 @@ def test_byte_exact_between_two_hosts(hosts, mode):
         pr.close()
 
 
-def test_a_partition_longer_than_the_deadline_fails_cleanly(hosts):
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_partition_longer_than_the_deadline_fails_cleanly(hosts, mode):
     """Link cut for 6 s, deadline 2 s: D reports the failure within the deadline plus a
     margin; after the link is back, nothing lands in D's (reused) blocks, and the next
     request goes through."""
-    pr = pair(hosts, timeout_s=2.0)
+    pr = pair(hosts, mode, timeout_s=2.0)
     try:
         handle, d_tabs = pr.prefill("warm", 40)
         pr.load(handle, d_tabs)
