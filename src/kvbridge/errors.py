@@ -39,6 +39,11 @@ class TransferTimeout(TransportError):
     """A transfer did not finish before its deadline."""
 
 
+class TransferFailed(TransportError):
+    """NIXL reported a posted transfer failed (an error status or exception from
+    posting or polling it): the transfer has ended, nothing more of it moves."""
+
+
 class PeerError(KVBridgeError):
     """A peer sent a malformed, unauthenticated or hostile message."""
 

@@ -10,7 +10,7 @@ import numpy as np
 from kvbridge.connector.peers import Peer
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import FenceReply, PushFence, PushReply, PushRuns
-from kvbridge.errors import KVBridgeError, PeerError, TransportError
+from kvbridge.errors import KVBridgeError, PeerError, TransferFailed, TransportError
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState
 
@@ -97,13 +97,18 @@ class _RankFence:
                 self.probe = self.transport.read(
                     self.agent, one * self.local, one * self.remote, one
                 )
+            except TransferFailed:
+                return True  # posted, and NIXL says it failed: the rank's connection is gone
             except TransportError:
-                return False  # not posted: proves nothing, ask again later
+                return False  # not posted (e.g. unknown peer): proves nothing, ask again
         try:
             state = self.transport.poll(self.probe)
+        except TransferFailed:
+            self.probe = None
+            return True  # the READ failed: the rank's connection is gone
         except TransportError:
             self.probe = None
-            return True  # the READ failed: the rank's agent is gone
+            return False
         if state is XferState.DONE:
             self.probe.release()
             self.probe = None  # alive but silent: ask again

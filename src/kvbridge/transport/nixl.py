@@ -25,7 +25,7 @@ envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading 
 
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle  # noqa: E402
 
-from kvbridge.errors import PeerError, TransportError  # noqa: E402
+from kvbridge.errors import PeerError, TransferFailed, TransportError  # noqa: E402
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState, host_only  # noqa: E402
 
 __all__ = ["NixlTransport", "NixlXferHandle"]
@@ -306,9 +306,10 @@ class NixlTransport(Transport):
             handle.state = XferState.DONE
         return handle
 
-    def _fail(self, handle: NixlXferHandle, why: str) -> NoReturn:
-        """Mark ``handle`` failed, release it and raise its :class:`TransportError`."""
-        err = TransportError(f"transfer {handle!r}: {why}")
+    def _fail(self, handle: NixlXferHandle, why: str, nixl: bool = True) -> NoReturn:
+        """Mark ``handle`` failed, release it and raise :class:`TransferFailed` (NIXL said
+        so: ``nixl``) or :class:`TransportError`."""
+        err = (TransferFailed if nixl else TransportError)(f"transfer {handle!r}: {why}")
         handle._error, handle.state = err, XferState.FAILED
         self._release(handle)
         raise err
@@ -324,7 +325,7 @@ class NixlTransport(Transport):
             raise handle._error
         xfer = handle._xfer
         if xfer is None:
-            self._fail(handle, "handle was released before it finished")
+            self._fail(handle, "handle was released before it finished", nixl=False)
         try:
             status = self._check_open().check_xfer_state(xfer)
         except _CAUGHT as exc:
