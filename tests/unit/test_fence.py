@@ -145,7 +145,8 @@ def test_posting_stops_at_the_deadline():
                 time.sleep(0.005)
             assert len(out) == 1 and not out[0].ok, out
             assert "while posting" in out[0].error, out[0].error
-            assert out[0].seconds - out[0].stages.get("queue", 0) < 0.1 + 0.2, out[0]
+            # posting everything takes ~1 s; stopping at the deadline, well under that
+            assert out[0].seconds - out[0].stages.get("queue", 0) < 0.6, out[0]
         finally:
             slow.close()
     finally:

@@ -135,7 +135,8 @@ def test_a_black_hole_endpoint_does_not_stall_other_loads():
         t0 = time.monotonic()
         c.load(handle, d_tabs)
         (out,) = w.wait(timeout=2.5)
-        assert out.ok and out.request_id == "ok" and time.monotonic() - t0 < 1.0
+        # the black hole holds its load for 3 s; this one does not wait for it
+        assert out.ok and out.request_id == "ok" and time.monotonic() - t0 < 2.0
         (out,) = w.wait(timeout=5)
         assert out.request_id == "hole" and not out.ok
     finally:
