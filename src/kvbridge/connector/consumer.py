@@ -147,7 +147,7 @@ class Consumer:
             if self.mode is Mode.PUSH:
                 self._push(peer, job, plan.runs)
             else:
-                self._transfer(peer, plan.runs, job)
+                self._transfer(peer, plan.runs, plan.nbytes, job)
             job.lap("transfer")
             job.move(LoadState.VERIFY)
             self._lease(peer, job, "confirm")
@@ -206,7 +206,7 @@ class Consumer:
             on_end += closers
         return Held(out, job.live, checks, on_end)
 
-    def _transfer(self, peer: Peer, runs: dict[int, Runs], job: _Load) -> None:
+    def _transfer(self, peer: Peer, runs: dict[int, Runs], nbytes: int, job: _Load) -> None:
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
         staged, slot = self.stager.choose(runs) if self.stager else ({}, None)
@@ -234,7 +234,6 @@ class Consumer:
             job.live += [h for h in handles if not self.transport.ended(h)]
             raise
         if self.stager is not None and not staged:
-            nbytes = sum(r.nbytes for r in runs.values())
             self.stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
 
     def _post(

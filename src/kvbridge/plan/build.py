@@ -40,6 +40,8 @@ class GroupGeom:
     pool: int
     state: bool
     buckets: tuple[Bucket, ...]
+    pad: tuple[int, int] | None = None
+    """``(bs_P, bs_D)`` where partial blocks may move whole (``pad_blocks``), else None."""
 
 
 class Geometry:
@@ -81,7 +83,6 @@ class Geometry:
             raise IncompatibleError(f"{len(p_bound)} P layouts for P world {p_par.world}")
         self.spec = spec_d
         self.d_rank = d_rank
-        self.pad_blocks = pad_blocks
         parts: dict[tuple[int, RuleKey, int], list[dict[str, np.ndarray]]] = {}
         for pc in sources(spec_p, p_par, d_par, d_rank):
             layer = spec_d.layers[pc.layer]
@@ -116,6 +117,7 @@ class Geometry:
                     d_lay.pools[g],
                     state,
                     tuple(buckets.get(g, ())),
+                    (bp, bd) if pad_blocks and not state else None,
                 )
             )
         self.groups = tuple(groups)
@@ -147,13 +149,12 @@ class Geometry:
             ptab = _table(p_tables[g], gg.p_blocks, n_tokens, gg.bp, gg.np_, gg.state, "P", g)
             dtab = _table(d_tables[g], 0, n_tokens, gg.bd, gg.nd, gg.state, "D", g)
             first = n_tokens
-            pad = (gg.bp, gg.bd) if self.pad_blocks and not gg.state else None
             for b in gg.buckets:
                 spans = _spans(b.rule, n_tokens, cached, gg.tile)
                 if not spans:
                     continue
-                if pad is not None:
-                    padded = _spans(b.rule, n_tokens, cached, gg.tile, pad)
+                if gg.pad is not None:
+                    padded = _spans(b.rule, n_tokens, cached, gg.tile, gg.pad)
                     spans = padded if _runs(b, padded) <= _runs(b, spans) else spans
                 first = min(first, spans[0][4])
                 out = chunks.setdefault(b.src_rank, [])
