@@ -21,8 +21,8 @@ $(STAMP): $(BIN)/python pyproject.toml tools/install_vllm.py
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests examples tools
+	$(BIN)/ruff format --check src tests examples tools
 	$(BIN)/python tools/check_sizes.py
 
 typecheck: $(STAMP)

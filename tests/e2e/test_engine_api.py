@@ -8,7 +8,7 @@ import torch
 from kvbridge.engine import EngineError, Instance, encode, preset
 from kvbridge.engine.cache import PagedCache
 from kvbridge.engine.spec import model_spec
-from kvbridge.layout import LAYOUTS
+from kvbridge.layout import layout_names
 from kvbridge.spec import Parallel
 
 pytestmark = pytest.mark.e2e
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 PROMPT = encode("block tables")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", layout_names())
 def test_cache_views_address_the_layout_bytes_and_do_not_overlap(layout: str) -> None:
     spec = model_spec(preset("kimi-linear"), block_size=4)
     cache = PagedCache(spec, Parallel(tp=2), 1, layout, num_blocks=3)

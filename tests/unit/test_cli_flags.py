@@ -14,7 +14,7 @@ import pytest
 
 from kvbridge.cli import args as types
 from kvbridge.cli.main import main
-from kvbridge.layout.build import LAYOUTS
+from kvbridge.layout import layout_names
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 HEAVY = ("torch", "vllm", "aiohttp", "numpy")
@@ -103,7 +103,7 @@ def test_sizes() -> None:
 
 
 def test_side_type_accepts_every_registered_layout() -> None:
-    for name in LAYOUTS:
+    for name in layout_names():
         assert types.side(f"layout={name}").get("layout") == name
 
 

@@ -111,10 +111,12 @@ def side(text: str) -> SideSpec:
 
 def _side_value(key: str, value: str) -> int | str:
     if key == "layout":
-        from kvbridge.layout.build import LAYOUTS  # the spec package, no numpy
+        from kvbridge.layout.registry import layout_names  # no numpy
 
-        if value not in LAYOUTS:
-            raise argparse.ArgumentTypeError(f"layout={value!r}; known: {', '.join(LAYOUTS)}")
+        if value not in layout_names():
+            raise argparse.ArgumentTypeError(
+                f"layout={value!r}; known: {', '.join(layout_names())}"
+            )
         return value
     try:
         number = _integer(value)

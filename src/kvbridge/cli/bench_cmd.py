@@ -1,6 +1,7 @@
-"""``kvbridge bench plan|transfer|vllm [--quick] [--calls N] [--json]``: benchmarks that print
-figures. One progress line per finished case goes to stderr; the table (or, with
-``--json``, one JSON list) to stdout at the end."""
+"""``kvbridge bench plan|transfer|vllm [--quick] [--calls N] [--json] [--plot FILE.png]``:
+benchmarks that print figures. One progress line per finished case goes to stderr; the
+table (or, with ``--json``, one JSON list) to stdout at the end; ``--plot`` (plan,
+transfer) also draws them into a PNG (``kvbridge.bench.plot``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def register(sub: Any) -> None:
         help="smaller, faster run: plan leaves out the 32k-token cases and times 50 calls; "
         "transfer runs 1024 tokens only; vllm runs the three llama block-size cases",
     )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw the figures into FILE.png (plan, transfer): transfer's GB/s and "
+        "descriptors against run size, plan's time against its floor; needs matplotlib "
+        "(pip install 'kvbridge[plot]')",
+    )
     p.set_defaults(run=run)
 
 
@@ -38,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(f"bench {args.what} {line}", file=sys.stderr, flush=True)
 
+    if args.plot is not None:
+        _check_plot(args.what, args.plot)
     if args.what == "plan":
         from kvbridge.bench.plan_bench import as_dicts, cases
 
@@ -59,7 +69,23 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print_table(rows)
+    if args.plot is not None:
+        from kvbridge.bench.plot import draw
+
+        draw(args.what, rows, args.plot)
+        say(f"figure written to {args.plot}")
     return 0
+
+
+def _check_plot(what: str, path: str) -> None:
+    """Refuse a ``--plot`` before the bench runs rather than after."""
+    if what == "vllm":
+        from kvbridge.errors import ConfigError
+
+        raise ConfigError("--plot: bench vllm draws no figure; --plot works with plan, transfer")
+    from kvbridge.bench.plot import check_target
+
+    check_target(path)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

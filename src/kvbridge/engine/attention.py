@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from kvbridge.api import DType, Kind, Layer, attention, mla
 from kvbridge.engine.cache import PagedCache
 from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.mixers import MixerKind, register_mixer
 from kvbridge.engine.ops import Shard, Step, Weights, attend, causal_mask, rms_norm, rope, take
 
 
@@ -89,3 +91,21 @@ class LatentAttention:
         allowed = causal_mask(pos, torch.arange(step.end))
         out = attend(q, torch.cat((k_nope, k_rot), dim=-1), v, allowed)
         return out.reshape(n, -1) @ self.wo
+
+
+F64 = DType.FP64
+
+
+def _kv(i: int, c: ModelConfig) -> Layer:
+    return attention(i, c.kv_heads, c.head_dim, F64)
+
+
+def _windowed(i: int, c: ModelConfig) -> Layer:
+    return attention(i, c.kv_heads, c.head_dim, F64, Kind.SLIDING, window=c.window)
+
+
+register_mixer(MixerKind("full", _kv, lambda c, i, g, s: Attention(c, i, g, s, 0)))
+register_mixer(MixerKind("sliding", _windowed, lambda c, i, g, s: Attention(c, i, g, s, c.window)))
+register_mixer(
+    MixerKind("mla", lambda i, c: mla(i, c.kv_lora_rank + c.rope_dim, F64), LatentAttention)
+)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvbridge.api import RankLayout
 from kvbridge.engine.errors import EngineError
-from kvbridge.layout import RankLayout
 
 Tables = list[list[int]]
 

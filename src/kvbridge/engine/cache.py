@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbridge.layout import RankLayout, View, build_layout
-from kvbridge.spec import ModelSpec, Parallel
+from kvbridge.api import ModelSpec, Parallel, RankLayout, View, build_layout
 
 ITEM = 8  # bytes per float64
 

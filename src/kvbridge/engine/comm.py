@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from kvbridge.api import Parallel
 from kvbridge.engine.errors import EngineError
-from kvbridge.spec import Parallel
 
 
 class Comm:

@@ -22,6 +22,7 @@ from typing import Any
 from kvbridge.engine.errors import EngineError
 
 MIXERS = ("full", "sliding", "mla", "gdn", "kda", "mamba")
+"""The built-in mixer kinds (``engine/mixers.py`` holds every registered one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +56,12 @@ class ModelConfig:
     ssm_state: int = 8
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.pattern if m not in MIXERS]
+        from kvbridge.engine.mixers import mixer_names  # the registry imports this module
+
+        known = mixer_names()
+        unknown = [m for m in self.pattern if m not in known]
         if unknown or not self.pattern:
-            raise EngineError(f"mixers {unknown or 'none'} in {self.pattern}; known: {MIXERS}")
+            raise EngineError(f"mixers {unknown or 'none'} in {self.pattern}; known: {known}")
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.api import KVBridgeError
 
 
 class EngineError(KVBridgeError):

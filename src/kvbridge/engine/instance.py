@@ -17,14 +17,13 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbridge.api import Parallel, RankLayout, build_layout
 from kvbridge.engine.blocks import BlockAllocator, Tables
 from kvbridge.engine.config import ModelConfig, preset
 from kvbridge.engine.errors import EngineError
 from kvbridge.engine.messages import Boot, Extend, KVCommand, Reply, Sampled
 from kvbridge.engine.ranks import LocalRanks, ProcessRanks
 from kvbridge.engine.spec import model_spec
-from kvbridge.layout import RankLayout, build_layout
-from kvbridge.spec import Parallel
 
 
 class Status(enum.Enum):

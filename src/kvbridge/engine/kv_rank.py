@@ -6,8 +6,8 @@ own endpoint: a P rank a :class:`ProducerWorker` (its coordinator, the
 :class:`Consumer`. NIXL is imported only when the first endpoint starts, so plain
 engine use never loads it.
 
-    P rank   ServeKV ──► NixlTransport + ProducerWorker ──► KVInfo (RankInfo)
-    D rank   ConsumeKV ─► NixlTransport + Consumer ──► Ack
+    P rank   ServeKV ──► transport (NIXL) + ProducerWorker ──► KVInfo (RankInfo)
+    D rank   ConsumeKV ─► transport (NIXL) + Consumer ──► Ack
              LoadKV ────► Consumer.load ──► Ack
              AwaitKV ───► Consumer.poll until the request's Outcome ──► Loaded
 """
@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
 
-from kvbridge.connector.consumer import Consumer, Outcome
-from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.producer import ProducerWorker
+from kvbridge.api import (
+    Consumer,
+    ModelSpec,
+    Outcome,
+    Parallel,
+    ProducerWorker,
+    RankLayout,
+    TransferHandle,
+    Transport,
+    make_transport,
+)
 from kvbridge.engine.errors import EngineError
 from kvbridge.engine.messages import (
     Ack,
@@ -33,11 +40,6 @@ from kvbridge.engine.messages import (
     Reply,
     ServeKV,
 )
-from kvbridge.layout import RankLayout
-from kvbridge.spec import ModelSpec, Parallel
-
-if TYPE_CHECKING:
-    from kvbridge.transport.nixl import NixlTransport
 
 POLL_S = 0.001
 
@@ -50,7 +52,7 @@ class RankKV:
     ) -> None:
         self.spec, self.par, self.rank = spec, par, rank
         self.layout, self.bases = layout, bases
-        self.transport: NixlTransport | None = None
+        self.transport: Transport | None = None
         self.producer: ProducerWorker | None = None
         self.consumer: Consumer | None = None
         self.outcomes: dict[str, Outcome] = {}
@@ -65,7 +67,7 @@ class RankKV:
         return self.await_outcome(cmd)
 
     def serve(self, cmd: ServeKV) -> KVInfo:
-        transport = self._transport(cmd.engine_id)
+        transport = self._transport(cmd.engine_id, cmd.transport)
         self.producer = ProducerWorker(
             self.rank, self.layout, self.bases, transport, cmd.secret, cmd.host,
             advertise=cmd.advertise,
@@ -80,7 +82,7 @@ class RankKV:
             self.rank,
             self.layout,
             self.bases,
-            self._transport(cmd.engine_id),
+            self._transport(cmd.engine_id, cmd.transport),
             cmd.secret,
             policy=cmd.policy,
             transfer_timeout_s=cmd.timeout_s,
@@ -111,12 +113,10 @@ class RankKV:
         if self.transport is not None:
             self.transport.close()
 
-    def _transport(self, engine_id: str) -> NixlTransport:
+    def _transport(self, engine_id: str, kind: str) -> Transport:
         if self.transport is not None:
             raise EngineError(f"rank {self.rank} already serves kvbridge endpoints")
-        from kvbridge.transport.nixl import NixlTransport  # lazy: loads NIXL
-
-        self.transport = NixlTransport(f"{engine_id}-r{self.rank}-{os.getpid()}")
+        self.transport = make_transport(kind, f"{engine_id}-r{self.rank}-{os.getpid()}")
         return self.transport
 
     def _consumer(self) -> Consumer:

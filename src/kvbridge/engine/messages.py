@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.connector.consumer import Mode, Outcome, Policy
-from kvbridge.control.messages import RankInfo
+from kvbridge.api import Mode, Outcome, Policy, RankInfo
 from kvbridge.engine.config import ModelConfig
 
 
@@ -64,6 +63,8 @@ class ServeKV:
     host: str = "127.0.0.1"
     """Address the rank's push channel binds; ``advertise``: the one D connects to."""
     advertise: str = ""
+    transport: str = "nixl"
+    """A registered transport (``kvbridge.transport``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class ConsumeKV:
     mode: Mode
     timeout_s: float
     policy: Policy
+    transport: str = "nixl"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,34 +10,21 @@ the LM head are replicated, so every rank computes the same logits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvbridge.engine.attention import Attention, LatentAttention
+from kvbridge.api import ModelSpec
 from kvbridge.engine.cache import PagedCache
 from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.mixers import Mixer, get_mixer
 from kvbridge.engine.ops import Shard, Step, Weights, rms_norm, take
-from kvbridge.engine.recurrent import DeltaNet, Mamba
-from kvbridge.spec import ModelSpec
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-class Mixer(Protocol):
-    def forward(self, x: torch.Tensor, step: Step, cache: PagedCache) -> torch.Tensor: ...
-
-
 def make_mixer(cfg: ModelConfig, layer: int, group: int, shard: Shard) -> Mixer:
-    kind = cfg.pattern[layer]
-    if kind in ("full", "sliding"):
-        return Attention(cfg, layer, group, shard, cfg.window if kind == "sliding" else 0)
-    if kind == "mla":
-        return LatentAttention(cfg, layer, group, shard)
-    if kind == "mamba":
-        return Mamba(cfg, layer, group, shard)
-    return DeltaNet(cfg, layer, group, shard, per_channel=kind == "kda")
+    return get_mixer(cfg.pattern[layer]).build(cfg, layer, group, shard)
 
 
 class MLP:

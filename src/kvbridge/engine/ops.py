@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.errors import SpecError
-from kvbridge.spec import shard_interval
+from kvbridge.api import SpecError, shard_interval
 
 F64 = torch.float64
 

@@ -21,14 +21,11 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbridge.connector.consumer import Mode, Outcome, Policy
-from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.producer import Producer
+from kvbridge.api import Mode, Outcome, PeerError, Policy, Producer, TransferHandle
 from kvbridge.engine.config import ModelConfig
 from kvbridge.engine.errors import EngineError
 from kvbridge.engine.instance import Instance
 from kvbridge.engine.messages import AwaitKV, ConsumeKV, KVInfo, Loaded, LoadKV, ServeKV
-from kvbridge.errors import PeerError
 
 HANDSHAKE_SLACK_S = 15.0
 """Added to the transfer deadline when waiting for a load: handshake and lease calls."""

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvbridge.api import DType, Layer, gated_deltanet, mamba2
 from kvbridge.engine.cache import PagedCache
 from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.mixers import MixerKind, register_mixer
 from kvbridge.engine.ops import (
     F64,
     Shard,
@@ -146,3 +148,22 @@ class Mamba:
         write_state(ssm, slot, s.reshape(1, -1))
         out = rms_norm(torch.stack(outs)) * F.silu(x @ self.w_gate).view(n, h, hd)
         return out.reshape(n, -1) @ self.wo
+
+
+CACHE = DType.FP64
+"""The dtype of the engine's cache (float64, as the model computes)."""
+
+
+def _delta_state(i: int, c: ModelConfig) -> Layer:
+    h, dk, dv = c.lin_heads, c.lin_key_dim, c.lin_value_dim
+    return gated_deltanet(i, h, dk, h, dv, c.conv_kernel, CACHE, CACHE)
+
+
+def _ssm_state(i: int, c: ModelConfig) -> Layer:
+    h, hd, g, n = c.ssm_heads, c.ssm_head_dim, c.ssm_groups, c.ssm_state
+    return mamba2(i, h, hd, g, n, c.conv_kernel, CACHE, CACHE)
+
+
+register_mixer(MixerKind("gdn", _delta_state, lambda c, i, g, s: DeltaNet(c, i, g, s, False)))
+register_mixer(MixerKind("kda", _delta_state, lambda c, i, g, s: DeltaNet(c, i, g, s, True)))
+register_mixer(MixerKind("mamba", _ssm_state, Mamba))

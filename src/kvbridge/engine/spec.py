@@ -10,38 +10,16 @@ mamba            conv_state         kernel-1 rows of x | B | C channels
 
 from __future__ import annotations
 
-from kvbridge.engine.config import ModelConfig
-from kvbridge.spec import (
-    DType,
-    Kind,
-    Layer,
+from kvbridge.api import (
     ModelSpec,
-    attention,
-    gated_deltanet,
     group_by_kind,
-    mamba2,
-    mla,
 )
-
-F64 = DType.FP64
+from kvbridge.engine.config import ModelConfig
+from kvbridge.engine.mixers import get_mixer
 
 
 def model_spec(cfg: ModelConfig, block_size: int = 16) -> ModelSpec:
-    """One group per kind present (see :func:`group_by_kind`), ``block_size`` tokens."""
-    layers = [_layer(i, mixer, cfg) for i, mixer in enumerate(cfg.pattern)]
+    """One group per kind present (see :func:`group_by_kind`), ``block_size`` tokens;
+    each layer's streams as its mixer kind declares them (``engine/mixers.py``)."""
+    layers = [get_mixer(mixer).cache(i, cfg) for i, mixer in enumerate(cfg.pattern)]
     return group_by_kind(cfg.name, layers, block_size)
-
-
-def _layer(i: int, mixer: str, c: ModelConfig) -> Layer:
-    if mixer == "full":
-        return attention(i, c.kv_heads, c.head_dim, F64)
-    if mixer == "sliding":
-        return attention(i, c.kv_heads, c.head_dim, F64, Kind.SLIDING, window=c.window)
-    if mixer == "mla":
-        return mla(i, c.kv_lora_rank + c.rope_dim, F64)
-    if mixer == "mamba":
-        return mamba2(
-            i, c.ssm_heads, c.ssm_head_dim, c.ssm_groups, c.ssm_state, c.conv_kernel, F64, F64
-        )
-    h, dk, dv = c.lin_heads, c.lin_key_dim, c.lin_value_dim
-    return gated_deltanet(i, h, dk, h, dv, c.conv_kernel, F64, F64)

@@ -11,13 +11,12 @@ Both instances must keep their caches in this process (TP 1, ``in_process``).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
+from kvbridge.api import Bound, Geometry, Region, Transport, XferState, make_transport
 from kvbridge.engine.errors import EngineError
 from kvbridge.engine.instance import Instance
-from kvbridge.plan import Bound, Geometry
-from kvbridge.transport.base import Region, XferState
-from kvbridge.transport.loopback import Fabric, LoopbackTransport
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +40,14 @@ def move_kv(p: Instance, d: Instance, req_id: str) -> Moved:
             f"P has {n} prompt tokens computed (and must have sampled one), D reserved "
             f"{len(d.tokens(req_id))}: prefill on P, then reserve the same prompt on D"
         )
-    fabric = Fabric()
-    p_meta = [_agent(fabric, f"p{r}", p.regions(r))[1] for r in range(p.tp)]
+    tag = secrets.token_hex(4)
+    agents: list[Transport] = []
+    p_meta = [_agent(agents, f"p{r}-{tag}", p.regions(r)) for r in range(p.tp)]
     p_bound = [_bound(p, r) for r in range(p.tp)]
     total, runs_n = 0, 0
     for r in range(d.tp):
-        agent, _ = _agent(fabric, f"d{r}", d.regions(r))
+        _agent(agents, f"d{r}-{tag}", d.regions(r))
+        agent = agents[-1]
         geom = Geometry(p.spec, d.spec, p.parallel, d.parallel, p_bound, _bound(d, r), r)
         plan = geom.plan(n, p.tables(req_id), d.tables(req_id), cached)
         for src, runs in plan.runs.items():
@@ -57,16 +58,15 @@ def move_kv(p: Instance, d: Instance, req_id: str) -> Moved:
                 raise EngineError(f"loopback read from P rank {src} did not complete")
             handle.release()
         total, runs_n = total + plan.nbytes, runs_n + plan.descriptors
-    for agent in list(fabric.agents.values()):
-        agent.close()
+    for a in agents:
+        a.close()
     return Moved(total, runs_n)
 
 
-def _agent(
-    fabric: Fabric, name: str, regions: list[tuple[int, int]]
-) -> tuple[LoopbackTransport, bytes]:
-    agent = LoopbackTransport(name, fabric)
-    return agent, agent.register([Region(a, n) for a, n in regions])
+def _agent(agents: list[Transport], name: str, regions: list[tuple[int, int]]) -> bytes:
+    """A loopback agent over ``regions`` (appended to ``agents``); its metadata."""
+    agents.append(make_transport("loopback", name))
+    return agents[-1].register([Region(a, n) for a, n in regions])
 
 
 def _bound(inst: Instance, rank: int) -> Bound:

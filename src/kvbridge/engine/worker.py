@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from kvbridge.api import Parallel
 from kvbridge.engine.cache import PagedCache
 from kvbridge.engine.comm import Comm, GlooComm
 from kvbridge.engine.kv_rank import RankKV
@@ -30,7 +31,6 @@ from kvbridge.engine.messages import (
 from kvbridge.engine.model import Model
 from kvbridge.engine.ops import Shard, Step
 from kvbridge.engine.spec import model_spec
-from kvbridge.spec import Parallel
 
 POLL_S = 0.5
 COLLECTIVE_TIMEOUT_S = 60

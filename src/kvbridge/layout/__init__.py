@@ -1,6 +1,17 @@
-"""Layout: where a rank keeps its bytes (map: ``docs/structure.md``)."""
+"""Layout: where a rank keeps its bytes (map: ``docs/structure.md``).
 
-from kvbridge.layout.build import LAYOUTS, build_layout
+Add a layout with :func:`register_layout` (``layout/registry.py``)."""
+
+from kvbridge.layout.build import build_layout
+from kvbridge.layout.registry import LayoutKind, get_layout, layout_names, register_layout
 from kvbridge.layout.view import RankLayout, View
 
-__all__ = ["LAYOUTS", "RankLayout", "View", "build_layout"]
+__all__ = [
+    "LayoutKind",
+    "RankLayout",
+    "View",
+    "build_layout",
+    "get_layout",
+    "layout_names",
+    "register_layout",
+]

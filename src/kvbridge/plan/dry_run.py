@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.errors import LayoutError
-from kvbridge.layout.build import LAYOUTS, build_layout
+from kvbridge.layout import build_layout, get_layout
 from kvbridge.plan.build import Geometry
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.plan import PlanSummary
@@ -38,8 +37,7 @@ class Instance:
     layout: str = "nhd"
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise LayoutError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        get_layout(self.layout)  # LayoutError naming the known ones
 
     def describe(self) -> str:
         return f"tp={self.tp} pp={self.pp} block={self.block} layout={self.layout}"

@@ -30,6 +30,17 @@ class Fabric:
         self.agents: dict[str, LoopbackTransport] = {}
 
 
+_PROCESS_FABRIC: Fabric | None = None
+
+
+def process_fabric() -> Fabric:
+    """The fabric of agents made by name (``make_transport("loopback", ...)``)."""
+    global _PROCESS_FABRIC
+    if _PROCESS_FABRIC is None:
+        _PROCESS_FABRIC = Fabric()
+    return _PROCESS_FABRIC
+
+
 class _Handle(XferHandle):
     def __init__(self, state: XferState, error: str = "") -> None:
         self.state = state

@@ -33,15 +33,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.errors import ConfigError
+from kvbridge.api import (
+    ConfigError,
+    Group,
+    Kind,
+    Layer,
+    ModelSpec,
+    Parallel,
+    RankLayout,
+    RegionSet,
+    TensorDesc,
+    View,
+    attention,
+    parse_dtype,
+    shard_interval,
+    tensor_views,
+)
 from kvbridge.integrations.vllm.state import conv_dim_first, state_descs, state_layer, state_views
-from kvbridge.layout.tensor import RegionSet, TensorDesc, tensor_views
-from kvbridge.layout.view import RankLayout, View
-from kvbridge.spec.build import attention
-from kvbridge.spec.dtypes import parse_dtype
-from kvbridge.spec.model import Group, Kind, Layer, ModelSpec
-from kvbridge.spec.parallel import Parallel
-from kvbridge.spec.sharding import shard_interval
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 

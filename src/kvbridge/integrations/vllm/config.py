@@ -14,6 +14,7 @@
                 to P (handshake, lease, push; default 10)
     keys_file   CURVE keys and allow-list (JSON, see :meth:`Keys.load`) instead of keys
                 derived from the secret
+    transport   registered transport name (default ``nixl``; see ``kvbridge.transport``)
     model_id    what this engine serves; P and D must agree (default: a fingerprint of
                 the model's config, see :func:`model_fingerprint`)
 """
@@ -26,8 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.control.security import Keys
-from kvbridge.errors import ConfigError
+from kvbridge.api import ConfigError, Keys, transport_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +43,10 @@ class ConnectorConfig:
     model_id: str = ""
     advertise: str = ""
     keys_file: str = ""
+    transport: str = "nixl"
 
 
-KNOWN = {"host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file"}
+KNOWN = {"host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file", "transport"}
 """``kv_connector_extra_config`` keys besides the secret."""
 
 VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
@@ -75,15 +76,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
         raise ConfigError(
             "kvbridge needs a shared secret: kv_connector_extra_config.secret or KVBRIDGE_SECRET"
         )
-    unknown = set(extra) - {
-        "host",
-        "port",
-        "lease_s",
-        "timeout_s",
-        "model_id",
-        "advertise",
-        "keys_file",
-    }
+    unknown = set(extra) - KNOWN
     if unknown:
         raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
     try:
@@ -99,12 +92,18 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             str(extra.get("model_id") or (model_fingerprint(hf_config) if hf_config else "")),
             str(extra.get("advertise", "")),
             str(extra.get("keys_file", "")),
+            str(extra.get("transport", "nixl")),
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
     if cfg.lease_s <= 0 or cfg.timeout_s <= 0 or not 0 <= cfg.port < 65536:
         raise ConfigError(
             f"kv_connector_extra_config {extra}: lease_s, timeout_s > 0, port in range"
+        )
+    if cfg.transport not in transport_names():
+        raise ConfigError(
+            f"kv_connector_extra_config transport={cfg.transport!r}; "
+            f"known: {', '.join(transport_names())}"
         )
     if cfg.keys_file:
         Keys.load(cfg.keys_file)  # refuse a bad file at start-up, not at the first request

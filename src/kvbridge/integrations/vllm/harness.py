@@ -14,7 +14,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.api import KVBridgeError
 
 CONNECTOR = {
     "kv_connector": "KVBridgeConnector",

@@ -10,8 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvbridge.control.messages import RankInfo
-from kvbridge.errors import PeerError
+from kvbridge.api import PeerError, RankInfo
 
 HANDLE_KEY = "kvbridge"
 """The ``kv_transfer_params`` key that carries the transfer handle from P to D."""

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvbridge.errors import ConfigError
+from kvbridge.api import ConfigError
 
 _BASE: dict[str, Any] = {
     "hidden_size": 256,

@@ -18,11 +18,7 @@ import base64
 import logging
 from typing import Any
 
-from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.producer import Producer
-from kvbridge.control.messages import RankInfo
-from kvbridge.control.security import Keys
-from kvbridge.errors import KVBridgeError, PeerError
+from kvbridge.api import Keys, KVBridgeError, PeerError, Producer, RankInfo, TransferHandle
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.metadata import HANDLE_KEY, LoadJob, StepMeta, decode_info

@@ -6,13 +6,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvbridge.errors import ConfigError
-from kvbridge.layout.tensor import RegionSet, TensorDesc
-from kvbridge.layout.view import View
-from kvbridge.spec.build import gated_deltanet, mamba2
-from kvbridge.spec.dtypes import parse_dtype
-from kvbridge.spec.model import Layer, Stream
-from kvbridge.spec.sharding import shard_interval
+from kvbridge.api import (
+    ConfigError,
+    Layer,
+    RegionSet,
+    Stream,
+    TensorDesc,
+    View,
+    gated_deltanet,
+    mamba2,
+    parse_dtype,
+    shard_interval,
+)
 
 
 def conv_dim_first() -> bool:

@@ -13,17 +13,20 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from kvbridge.connector.consumer import Consumer, Outcome
-from kvbridge.connector.producer import ProducerWorker
-from kvbridge.control.security import Keys
-from kvbridge.errors import KVBridgeError
+from kvbridge.api import (
+    Consumer,
+    Keys,
+    KVBridgeError,
+    Outcome,
+    ProducerWorker,
+    Transport,
+    make_transport,
+)
 from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
 from kvbridge.integrations.vllm.scheduler import decode_handle
 from kvbridge.integrations.vllm.stats import observation
-from kvbridge.transport.base import Transport
-from kvbridge.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class WorkerSide:
 
     def _transport(self, role: str) -> Transport:
         name = f"kvb-{role}-{self.cfg.engine_id}-{self.rank}-{secrets.token_hex(3)}"
-        t = NixlTransport(name)
+        t = make_transport(self.cfg.transport, name)
         self._transports.append(t)
         return t
 

@@ -1,0 +1,145 @@
+"""kvbridge's public API: what engines, tools and examples import.
+
+Everything here is stable within a minor version; anything imported from elsewhere in
+the package is internal. ``import kvbridge`` gives the same names, loaded on first use.
+
+Describe the model        load_model, ModelSpec, Group, Layer, Kind, DType, Parallel and
+                          one builder per cache kind (attention, mla, mamba2, mamba1,
+                          gated_deltanet, kimi_delta, state_tensor), group_by_kind
+Say where it lives        build_layout, layout_names, register_layout, RankLayout, View;
+                          engine tensors: RegionSet, TensorDesc, tensor_views
+Plan (no I/O)             Geometry, Bound, Plan
+Move bytes                make_transport, register_transport, transport_names,
+                          Transport, Region, XferState
+Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
+                          Mode, Policy, LoadState, Keys, RankInfo
+Errors                    KVBridgeError and its subclasses
+"""
+
+from kvbridge.connector import (
+    Consumer,
+    LoadState,
+    Mode,
+    Outcome,
+    Policy,
+    Producer,
+    ProducerWorker,
+    TransferHandle,
+)
+from kvbridge.control.messages import RankInfo
+from kvbridge.control.security import Keys
+from kvbridge.errors import (
+    ConfigError,
+    IncompatibleError,
+    KVBridgeError,
+    LayoutError,
+    LeaseExpired,
+    PeerError,
+    PlanError,
+    SpecError,
+    TopologyError,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
+from kvbridge.layout import (
+    RankLayout,
+    View,
+    build_layout,
+    layout_names,
+    register_layout,
+)
+from kvbridge.layout.tensor import RegionSet, TensorDesc, tensor_views
+from kvbridge.plan import Bound, Geometry, Plan
+from kvbridge.spec import (
+    DType,
+    Group,
+    Kind,
+    Layer,
+    ModelInfo,
+    ModelSpec,
+    Parallel,
+    Segment,
+    Stream,
+    attention,
+    gated_deltanet,
+    group_by_kind,
+    kimi_delta,
+    load_model,
+    mamba1,
+    mamba2,
+    mla,
+    parse_dtype,
+    shard_interval,
+    state_tensor,
+)
+from kvbridge.transport import (
+    Region,
+    Transport,
+    XferState,
+    make_transport,
+    register_transport,
+    transport_names,
+)
+
+__all__ = [
+    "Bound",
+    "ConfigError",
+    "Consumer",
+    "DType",
+    "Geometry",
+    "Group",
+    "IncompatibleError",
+    "KVBridgeError",
+    "Keys",
+    "Kind",
+    "Layer",
+    "LayoutError",
+    "LeaseExpired",
+    "LoadState",
+    "Mode",
+    "ModelInfo",
+    "ModelSpec",
+    "Outcome",
+    "Parallel",
+    "PeerError",
+    "Plan",
+    "PlanError",
+    "Policy",
+    "Producer",
+    "ProducerWorker",
+    "RankInfo",
+    "RankLayout",
+    "Region",
+    "RegionSet",
+    "Segment",
+    "SpecError",
+    "Stream",
+    "TensorDesc",
+    "TopologyError",
+    "TransferFailed",
+    "TransferHandle",
+    "TransferTimeout",
+    "Transport",
+    "TransportError",
+    "View",
+    "XferState",
+    "attention",
+    "build_layout",
+    "gated_deltanet",
+    "group_by_kind",
+    "kimi_delta",
+    "layout_names",
+    "load_model",
+    "make_transport",
+    "mamba1",
+    "mamba2",
+    "mla",
+    "parse_dtype",
+    "register_layout",
+    "register_transport",
+    "shard_interval",
+    "state_tensor",
+    "tensor_views",
+    "transport_names",
+]

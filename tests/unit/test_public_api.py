@@ -1,0 +1,71 @@
+"""The declared public API: ``kvbridge.api`` (and lazily ``kvbridge.<name>``); the
+reference engine, the vLLM integration and the examples import nothing else of kvbridge."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import kvbridge
+from kvbridge import api
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "src" / "kvbridge"
+
+
+def test_the_lazy_names_are_the_api() -> None:
+    assert set(api.__all__) == kvbridge._API
+    for name in api.__all__:
+        assert getattr(kvbridge, name) is getattr(api, name)
+
+
+def test_import_kvbridge_loads_nothing_heavy() -> None:
+    code = (
+        "import sys, kvbridge; from kvbridge import catalog; "
+        "print(sorted(m for m in ('numpy', 'torch', 'zmq', 'nixl') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _kvbridge_imports(path: Path) -> set[str]:
+    mods = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "kvbridge":
+            mods.update(f"kvbridge.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module)
+        elif isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+    return {m for m in mods if m == "kvbridge" or m.startswith("kvbridge.")}
+
+
+ALLOWED = {
+    "engine": ("kvbridge.api", "kvbridge.engine", "kvbridge.testing.netns"),
+    "integrations": (
+        "kvbridge.api",
+        "kvbridge.integrations",
+        "kvbridge.bench.nixl_delay",  # the peer's progress delay, for side-by-side benches
+        "kvbridge.testing.netns",  # two simulated hosts (tests, demo)
+        "kvbridge.envs",  # settings read from the environment (progress delay)
+    ),
+}
+
+
+def test_engine_and_integrations_use_the_public_api_only() -> None:
+    bad = []
+    for folder, allowed in ALLOWED.items():
+        for path in (PKG / folder).rglob("*.py"):
+            for mod in _kvbridge_imports(path):
+                if not mod.startswith(allowed):
+                    bad.append(f"{path.relative_to(PKG)}: {mod}")
+    assert bad == []
+
+
+def test_examples_use_the_public_api_only() -> None:
+    allowed = ("kvbridge.api", "kvbridge.engine")
+    for path in (ROOT / "examples").glob("*.py"):
+        assert all(m.startswith(allowed) for m in _kvbridge_imports(path)), path.name
