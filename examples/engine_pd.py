@@ -7,14 +7,15 @@ D's tokens checked against a colocated run. docs/engine.md shows this file; a te
 import secrets
 from contextlib import closing
 
+from kvbridge.api import SideConfig
 from kvbridge.engine import encode, generate
-from kvbridge.engine.pd import DecodeServer, PrefillServer, Router, Side
+from kvbridge.engine.pd import DecodeServer, PrefillServer, Router
 
 if __name__ == "__main__":  # rank processes import this file again
     secret = secrets.token_bytes(16)  # shared by P and D: handshakes are authenticated
     with (
-        closing(PrefillServer("kimi-linear", Side(2, 16, "hnd"), secret)) as p,
-        closing(DecodeServer("kimi-linear", Side(1, 32, "block-major"), secret)) as d,
+        closing(PrefillServer("kimi-linear", SideConfig(2, 16, "hnd"), secret)) as p,
+        closing(DecodeServer("kimi-linear", SideConfig(1, 32, "block-major"), secret)) as d,
     ):
         out = Router(p, d).generate("r1", encode("hello"), n_new=16)
         # Decoded(tokens, bytes, descriptors, seconds, recomputed, error)

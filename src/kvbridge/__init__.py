@@ -40,6 +40,7 @@ _API = frozenset(
         "Region",
         "RegionSet",
         "Segment",
+        "SideConfig",
         "SpecError",
         "Stream",
         "TensorDesc",

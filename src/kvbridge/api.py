@@ -6,7 +6,8 @@ the package is internal. ``import kvbridge`` gives the same names, loaded on fir
 Describe the model        load_model, ModelSpec, Group, Layer, Kind, DType, Parallel and
                           one builder per cache kind (attention, mla, mamba2, mamba1,
                           gated_deltanet, kimi_delta, state_tensor), group_by_kind
-Say where it lives        build_layout, layout_names, register_layout, RankLayout, View;
+Say where it lives        SideConfig (one instance's shape), build_layout, layout_names,
+                          register_layout, RankLayout, View;
                           engine tensors: RegionSet, TensorDesc, tensor_views
 Plan (no I/O)             Geometry, Bound, Plan
 Move bytes                make_transport, register_transport, transport_names,
@@ -44,6 +45,7 @@ from kvbridge.errors import (
 )
 from kvbridge.layout import (
     RankLayout,
+    SideConfig,
     View,
     build_layout,
     layout_names,
@@ -113,6 +115,7 @@ __all__ = [
     "Region",
     "RegionSet",
     "Segment",
+    "SideConfig",
     "SpecError",
     "Stream",
     "TensorDesc",

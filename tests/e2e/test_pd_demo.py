@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.api import SideConfig as Side
 from kvbridge.cli import demo_cmd, demo_run
 from kvbridge.cli.main import main
 from kvbridge.connector.consumer import Mode
 from kvbridge.engine import PRESETS, encode, generate, model_spec, preset
-from kvbridge.engine.pd import Decoded, DecodeServer, PrefillServer, Router, Side
+from kvbridge.engine.pd import Decoded, DecodeServer, PrefillServer, Router
 from kvbridge.spec import Kind
 
 pytestmark = pytest.mark.e2e
@@ -39,9 +40,24 @@ PROMPTS = (
 
 # P, D at TP 1 (head split), D at TP 3 (non-divisible), how the TP 3 D moves the KV.
 PAIRS = {
-    "llama": (Side(2, 16, "hnd"), Side(1, 32, "block-major"), Side(3, 8, "nhd"), Mode.PUSH),
-    "gemma": (Side(2, 16, "nhd"), Side(1, 32, "hnd"), Side(3, 24, "block-major"), Mode.PULL),
-    "deepseek": (Side(2, 16, "block-major"), Side(1, 32, "nhd"), Side(3, 8, "hnd"), Mode.PUSH),
+    "llama": (
+        Side(2, 16, "hnd"),
+        Side(1, 32, "block-major"),
+        Side(3, 8, "nhd"),
+        Mode.PUSH,
+    ),
+    "gemma": (
+        Side(2, 16, "nhd"),
+        Side(1, 32, "hnd"),
+        Side(3, 24, "block-major"),
+        Mode.PULL,
+    ),
+    "deepseek": (
+        Side(2, 16, "block-major"),
+        Side(1, 32, "nhd"),
+        Side(3, 8, "hnd"),
+        Mode.PUSH,
+    ),
     "qwen3-next": (
         Side(2, 16, "hnd"),
         Side(1, 32, "block-major"),
@@ -54,7 +70,12 @@ PAIRS = {
         Side(3, 8, "block-major"),
         Mode.PUSH,
     ),
-    "jamba": (Side(2, 32, "shared-pool"), Side(1, 16, "nhd"), Side(3, 24, "hnd"), Mode.PULL),
+    "jamba": (
+        Side(2, 32, "shared-pool"),
+        Side(1, 16, "nhd"),
+        Side(3, 24, "hnd"),
+        Mode.PULL,
+    ),
 }
 
 

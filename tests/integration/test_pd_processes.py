@@ -9,9 +9,11 @@ import time
 import numpy as np
 import pytest
 
+from kvbridge.api import SideConfig
 from kvbridge.control.lease import LeaseState
-from kvbridge.spec import DType, Kind, ModelSpec, Parallel, attention, group_by_kind, mamba2, mla
+from kvbridge.spec import DType, Kind, ModelSpec, attention, group_by_kind, mamba2, mla
 from kvbridge.testing.procs import Instance
+from kvbridge.testing.rank_worker import Changed, Fill, Load, Scribble, Verify, Wait
 from kvbridge.testing.scenario import random_tables
 
 pytestmark = pytest.mark.integration
@@ -50,28 +52,17 @@ class Pair:
         d_host=("", "127.0.0.1"),
     ):
         """``p_host``/``d_host``: (network namespace, address) of each side."""
-        self.p = Instance(
-            "P",
-            spec.with_block_sizes(p_bs),
-            Parallel(p_tp),
-            p_layout,
-            64,
-            SECRET,
-            lease_s,
-            netns=p_host[0],
-            host=p_host[1],
-        )
+        p_side = SideConfig(p_tp, p_bs, p_layout, 64, netns=p_host[0])
+        d_side = SideConfig(d_tp, d_bs, d_layout, 64, netns=d_host[0])
+        self.p = Instance("P", p_side.spec(spec), p_side, SECRET, lease_s, host=p_host[1])
         try:
             self.d = Instance(
                 "D",
-                spec.with_block_sizes(d_bs),
-                Parallel(d_tp),
-                d_layout,
-                64,
+                d_side.spec(spec),
+                d_side,
                 SECRET,
                 timeout_s=timeout_s,
                 mode=mode,
-                netns=d_host[0],
                 host=d_host[1],
             )
         except Exception:
@@ -83,15 +74,15 @@ class Pair:
 
     def prefill(self, rid: str, n: int):
         p_tabs = random_tables(self.p.spec, n, 64, self.rng)
-        self.p.broadcast("fill", n, p_tabs)
+        self.p.call(Fill(n, p_tabs))
         d_tabs = random_tables(self.d.spec, n, 64, self.rng)
         return self.producer.prefill_done(rid, p_tabs, n), d_tabs
 
     def load(self, handle, d_tabs, cached=0, snap=True):
-        self.d.broadcast("load", handle.to_bytes(), d_tabs, cached, snap)
+        self.d.call(Load(handle.to_bytes(), d_tabs, cached, snap))
 
     def wait(self, ids, timeout=30.0):
-        per_rank = self.d.broadcast("wait", ids, timeout, timeout=timeout + 30)
+        per_rank = self.d.call(Wait(ids, timeout), timeout=timeout + 30)
         return per_rank
 
     def close(self):
@@ -123,7 +114,7 @@ def test_byte_exact(name, make, p_tp, d_tp, p_lay, d_lay, p_bs, d_bs, mode):
             pair.load(handle, d_tabs, cached)
             outs = pair.wait([rid])
             assert all(o[rid].ok for o in outs), [o[rid].error for o in outs]
-            diffs = pair.d.broadcast("verify", rid, n, cached, d_tabs)
+            diffs = pair.d.call(Verify(rid, n, cached, d_tabs))
             assert diffs == [0] * d_tp
         freed = pair.producer.freed()
         assert sorted((f.request_id, f.reason) for f in freed) == [
@@ -141,7 +132,7 @@ def test_faults_lease_lapse_abort_dead_d():
         handle, d_tabs = pair.prefill("late", 40)
         time.sleep(1.3)
         assert [f.reason for f in pair.producer.freed()] == [LeaseState.EXPIRED]
-        pair.p.broadcast("scribble")
+        pair.p.call(Scribble())
         pair.load(handle, d_tabs)
         (out,) = pair.wait(["late"])
         assert not out["late"].ok and "LeaseExpired" in out["late"].error
@@ -171,7 +162,7 @@ def test_p_rank_killed_during_transfers_fails_within_deadline(mode):
         pair.load(handle, d_tabs)
         assert pair.wait(["ok"])[0]["ok"].ok
         handles = [pair.prefill(f"k{i}", 60) for i in range(4)]
-        os.kill(pair.p.ranks[1].proc.pid, signal.SIGKILL)
+        os.kill(pair.p.procs.pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         for h, tabs in handles:
             pair.load(h, tabs, snap=False)
@@ -216,7 +207,7 @@ def test_no_byte_lands_after_a_failure_is_reported(mode, monkeypatch):
         pair.load(handle, d_tabs)
         assert pair.wait(["warm"])[0]["warm"].ok
         handle, d_tabs = pair.prefill("late", 64)
-        stopped = pair.p.ranks[0].proc.pid
+        stopped = pair.p.procs.pids[0]
         os.kill(stopped, signal.SIGSTOP)
         try:
             pair.load(handle, d_tabs, snap=False)
@@ -228,8 +219,8 @@ def test_no_byte_lands_after_a_failure_is_reported(mode, monkeypatch):
         assert "late" in outs and not outs["late"].ok, outs
         assert outs["late"].stages.get("fence", 0) > 2.0, outs["late"].stages
         assert time.monotonic() - t0 < 5.0
-        pair.d.broadcast("scribble")  # the engine reuses the blocks
+        pair.d.call(Scribble())  # the engine reuses the blocks
         time.sleep(1.0)
-        assert pair.d.broadcast("changed") == [0]
+        assert pair.d.call(Changed()) == [0]
     finally:
         pair.close()

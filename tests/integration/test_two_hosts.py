@@ -10,12 +10,14 @@ from contextlib import closing
 
 import pytest
 
+from kvbridge.api import SideConfig
 from kvbridge.cli.main import main
 from kvbridge.connector.consumer import Mode
 from kvbridge.control.lease import LeaseState
 from kvbridge.engine import encode, generate
-from kvbridge.engine.pd import DecodeServer, PrefillServer, Router, Side
+from kvbridge.engine.pd import DecodeServer, PrefillServer, Router
 from kvbridge.testing.netns import Hosts, unavailable
+from kvbridge.testing.rank_worker import Changed, Scribble, Verify
 from tests.integration.test_pd_processes import SECRET, Pair, hybrid
 
 WHY = unavailable()
@@ -45,7 +47,7 @@ def test_byte_exact_between_two_hosts(hosts, mode):
             pr.load(handle, d_tabs, cached)
             (outs,) = pr.wait([rid])
             assert outs[rid].ok, outs[rid].error
-            assert pr.d.broadcast("verify", rid, n, cached, d_tabs) == [0]
+            assert pr.d.call(Verify(rid, n, cached, d_tabs)) == [0]
         assert {f.reason for f in pr.producer.freed()} == {LeaseState.DONE}
     finally:
         pr.close()
@@ -70,17 +72,17 @@ def test_a_partition_longer_than_the_deadline_fails_cleanly(hosts, mode):
             took = time.monotonic() - t0
             assert "cut" in outs and not outs["cut"].ok, outs
             assert took < 2.0 + 1.5, took
-            pr.d.broadcast("scribble")  # the engine reuses the blocks
+            pr.d.call(Scribble())  # the engine reuses the blocks
             time.sleep(max(0.0, 6.0 - took))
         finally:
             hosts.heal()
         time.sleep(2.0)
-        assert pr.d.broadcast("changed") == [0]
+        assert pr.d.call(Changed()) == [0]
         handle, d_tabs = pr.prefill("after", 40)
         pr.load(handle, d_tabs)
         (outs,) = pr.wait(["after"], timeout=30)
         assert outs["after"].ok, outs["after"].error
-        assert pr.d.broadcast("verify", "after", 40, 0, d_tabs) == [0]
+        assert pr.d.call(Verify("after", 40, 0, d_tabs)) == [0]
     finally:
         pr.close()
 
@@ -91,8 +93,8 @@ def test_reference_engine_tokens_exact_between_hosts(hosts, mode):
     layout) on the other: D's tokens are the colocated run's."""
     prompt = encode("Disaggregated prefill: the decode side continues the story.")
     want = generate("kimi-linear", prompt, tp=1, n_new_tokens=12)
-    p_side = Side(2, 16, "hnd", netns=hosts.p)
-    d_side = Side(1, 32, "block-major", netns=hosts.d)
+    p_side = SideConfig(2, 16, "hnd", netns=hosts.p)
+    d_side = SideConfig(1, 32, "block-major", netns=hosts.d)
     with (
         closing(PrefillServer("kimi-linear", p_side, SECRET, host=hosts.p_addr)) as p,
         closing(DecodeServer("kimi-linear", d_side, SECRET, mode)) as d,
@@ -126,7 +128,7 @@ def test_a_read_slower_than_the_deadline_is_fenced_not_landed_late(hosts, monkey
             (outs,) = pr.wait(["slow"], timeout=60.0)
             out = outs["slow"]
             assert not out.ok and "TransferTimeout" in out.error, out
-            pr.d.broadcast("scribble")  # the engine reuses the blocks
+            pr.d.call(Scribble())  # the engine reuses the blocks
             time.sleep(1.0)
         finally:
             hosts.fast()
@@ -135,7 +137,7 @@ def test_a_read_slower_than_the_deadline_is_fenced_not_landed_late(hosts, monkey
         pr.load(handle, d_tabs, snap=False)
         assert pr.wait(["next"])[0]["next"].ok
         time.sleep(1.0)
-        assert pr.d.broadcast("verify", "next", 40, 0, d_tabs, True) == [0]
+        assert pr.d.call(Verify("next", 40, 0, d_tabs, True)) == [0]
         assert out.stages.get("fence", 0) > 0.2, out.stages  # held past the deadline
     finally:
         pr.close()

@@ -125,11 +125,15 @@ def test_plan_side_takes_block_and_layout_from_the_other(
 
 
 def test_demo_side_keeps_the_demo_defaults() -> None:
+    from kvbridge.api import SideConfig
     from kvbridge.cli import demo_cmd, demo_run
-    from kvbridge.engine.pd import Side
 
-    assert demo_run._side(types.side("tp=6"), demo_cmd.DEFAULT_DECODE) == Side(6, 32, "block-major")
-    assert demo_run._side(types.side("layout=nhd"), demo_cmd.DEFAULT_PREFILL) == Side(2, 16, "nhd")
+    assert demo_run._side(types.side("tp=6"), demo_cmd.DEFAULT_DECODE) == SideConfig(
+        6, 32, "block-major"
+    )
+    assert demo_run._side(types.side("layout=nhd"), demo_cmd.DEFAULT_PREFILL) == SideConfig(
+        2, 16, "nhd"
+    )
 
 
 def test_demo_names_match_the_engine() -> None:

@@ -16,21 +16,22 @@ from kvbridge.cli.main import main
 from kvbridge.cli.plan_guards import context_length, estimate
 from kvbridge.cli.plan_report import Report
 from kvbridge.cli.plan_run import warnings
-from kvbridge.plan.dry_run import Instance, dry_run
+from kvbridge.layout.side import SideConfig
+from kvbridge.plan.dry_run import dry_run
 from kvbridge.spec.load import load_model
 
 CASES = [
-    ("llama-3.1-8b", Instance(), Instance(), 1),
-    ("llama-3.1-8b", Instance(tp=2), Instance(tp=4), None),
-    ("qwen3-next-80b-a3b", Instance(tp=2, layout="hnd"), Instance(tp=4, block=32), 3),
-    ("deepseek-v3", Instance(), Instance(block=32), 2),
-    ("gemma-3-4b-it", Instance(), Instance(tp=2, block=32, layout="hnd"), 5),
+    ("llama-3.1-8b", SideConfig(), SideConfig(), 1),
+    ("llama-3.1-8b", SideConfig(tp=2), SideConfig(tp=4), None),
+    ("qwen3-next-80b-a3b", SideConfig(tp=2, layout="hnd"), SideConfig(tp=4, block_size=32), 3),
+    ("deepseek-v3", SideConfig(), SideConfig(block_size=32), 2),
+    ("gemma-3-4b-it", SideConfig(), SideConfig(tp=2, block_size=32, layout="hnd"), 5),
 ]
 
 
 @pytest.mark.parametrize(("name", "p", "d", "seed"), CASES)
 def test_estimate_bounds_what_planning_allocates(
-    name: str, p: Instance, d: Instance, seed: int | None
+    name: str, p: SideConfig, d: SideConfig, seed: int | None
 ) -> None:
     info = load_model(name)
     tokens = 30_000
@@ -83,7 +84,7 @@ def test_max_memory_flag_moves_the_limit(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_layout_advice_skips_alternatives_over_the_limit() -> None:
     info = load_model("llama-3.1-8b")
-    p, d = Instance(tp=2), Instance(tp=4)
+    p, d = SideConfig(tp=2), SideConfig(tp=4)
     report = Report(info, p, d, 5000, 0, None, dry_run(info, p, d, 5000))
     assert any("HND on P and D keeps" in w for w in warnings(report, None))
     assert not any("keeps" in w for w in warnings(report, 1024))

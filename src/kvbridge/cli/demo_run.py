@@ -15,13 +15,14 @@ from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvbridge.api import SideConfig
 from kvbridge.cli.args import SideSpec, side
 from kvbridge.cli.demo_cmd import DEFAULT_DECODE, DEFAULT_PREFILL, QUICK
 from kvbridge.cli.demo_report import Row, Summary, render_json, render_text
 from kvbridge.cli.plan_report import human
 from kvbridge.connector.consumer import Mode
 from kvbridge.engine import ModelConfig, encode, generate, preset
-from kvbridge.engine.pd import DecodeServer, PrefillServer, Router, Side
+from kvbridge.engine.pd import DecodeServer, PrefillServer, Router
 from kvbridge.errors import ConfigError
 
 PROMPTS = (
@@ -88,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(
     cfg: ModelConfig,
-    p_side: Side,
-    d_side: Side,
+    p_side: SideConfig,
+    d_side: SideConfig,
     mode: Mode,
     requests: Sequence[DemoRequest],
     n_new: int,
@@ -147,14 +148,14 @@ def _procs(n: int) -> str:
     return f"{n} rank process" + ("es" if n > 1 else "")
 
 
-def _side(given: SideSpec, default: str) -> Side:
+def _side(given: SideSpec, default: str) -> SideConfig:
     """The side as given, a key left out keeping the demo's default for that side."""
     values, _ = given.resolve(dict(side(default).given), {"tp": 1, "pp": 1})
     tp, pp, block = (int(values[k]) for k in ("tp", "pp", "block"))
-    return Side(tp, block, str(values["layout"]), pp=pp)
+    return SideConfig(tp, block, str(values["layout"]), pp=pp)
 
 
-def _room(side: Side, tokens: int) -> Side:
+def _room(side: SideConfig, tokens: int) -> SideConfig:
     """``side`` with enough blocks for one request of ``tokens`` tokens (and spare)."""
     need = -(-tokens // side.block_size) + 8
     return side if side.num_blocks >= need else replace(side, num_blocks=need)

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvbridge import catalog
 from kvbridge.errors import ConfigError
-from kvbridge.plan.dry_run import Instance, dry_run, pool_size
+from kvbridge.layout.side import SideConfig
+from kvbridge.plan.dry_run import dry_run, pool_size
 from kvbridge.spec.info import ModelInfo
 
 BYTES_PER_DESCRIPTOR = 128
@@ -37,7 +38,9 @@ class Estimate:
     bytes: int
 
 
-def estimate(info: ModelInfo, p: Instance, d: Instance, tokens: int, seed: int | None) -> Estimate:
+def estimate(
+    info: ModelInfo, p: SideConfig, d: SideConfig, tokens: int, seed: int | None
+) -> Estimate:
     """The memory planning ``tokens`` tokens needs, from plans at :data:`SAMPLE_TOKENS`."""
     t1, t2 = SAMPLE_TOKENS
     if tokens <= t2:
@@ -46,7 +49,7 @@ def estimate(info: ModelInfo, p: Instance, d: Instance, tokens: int, seed: int |
     two = [r.summary.descriptors for r in dry_run(info, p, d, t2, 0, seed)] if t2 != t1 else one
     slope = [max(b - a, 0) / (t2 - t1) if t2 > t1 else 0.0 for a, b in zip(one, two, strict=True)]
     desc = max(int(b + s * (tokens - t2)) + 1 for b, s in zip(two, slope, strict=True))
-    pool = max(pool_size(info.spec.with_block_sizes(x.block), tokens) for x in (p, d))
+    pool = max(pool_size(info.spec.with_block_sizes(x.block_size), tokens) for x in (p, d))
     return Estimate(desc, FIXED_BYTES + desc * BYTES_PER_DESCRIPTOR + pool * BYTES_PER_BLOCK_ID)
 
 

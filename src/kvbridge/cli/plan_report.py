@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.plan.dry_run import Instance, RankPlan
+from kvbridge.layout.side import SideConfig
+from kvbridge.plan.dry_run import RankPlan
 from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.model import Kind
 
@@ -16,8 +17,8 @@ KINDS = tuple(str(k) for k in Kind)
 @dataclass
 class Report:
     info: ModelInfo
-    p: Instance
-    d: Instance
+    p: SideConfig
+    d: SideConfig
     tokens: int
     cached: int
     seed: int | None
@@ -52,8 +53,8 @@ def render_json(rep: Report) -> dict[str, Any]:
         "tokens": rep.tokens,
         "cached_tokens": rep.cached,
         "shuffle_seed": rep.seed,
-        "prefill": asdict(rep.p),
-        "decode": asdict(rep.d),
+        "prefill": _side_json(rep.p),
+        "decode": _side_json(rep.d),
         "bytes_total": rep.bytes_total,
         "descriptors_total": rep.descriptors_total,
         "mean_run_bytes": _mean(rep.bytes_total, rep.descriptors_total),
@@ -87,8 +88,8 @@ def render_text(rep: Report) -> str:
     lines = [
         f"{spec.name} · {rep.info.source} · {rep.info.num_model_layers} layers · "
         f"{rep.tokens} tokens, {rep.cached} cached · {blocks} block ids",
-        f"P  {rep.p.describe()}",
-        f"D  {rep.d.describe()}",
+        f"P  {_describe(rep.p)}",
+        f"D  {_describe(rep.d)}",
     ]
     for r in rep.ranks:
         lines += ["", f"D rank {r.rank} (stage {r.stage}, tp {r.tp_rank})"]
@@ -137,3 +138,11 @@ def human(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def _side_json(s: SideConfig) -> dict[str, int | str]:
+    return {"tp": s.tp, "pp": s.pp, "block": s.block_size, "layout": s.layout}
+
+
+def _describe(s: SideConfig) -> str:
+    return f"tp={s.tp} pp={s.pp} block={s.block_size} layout={s.layout}"

@@ -13,7 +13,8 @@ from kvbridge.cli.args import SideSpec
 from kvbridge.cli.plan_guards import Estimate, context_length, estimate
 from kvbridge.cli.plan_report import Report, human, render_json, render_text
 from kvbridge.errors import ConfigError, SpecError
-from kvbridge.plan.dry_run import Instance, RankPlan, dry_run
+from kvbridge.layout.side import SideConfig
+from kvbridge.plan.dry_run import RankPlan, dry_run
 from kvbridge.spec.dtypes import DType, parse_dtype
 from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.load import load_model
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def sides(prefill: SideSpec, decode: SideSpec) -> tuple[Instance, Instance]:
+def sides(prefill: SideSpec, decode: SideSpec) -> tuple[SideConfig, SideConfig]:
     """Both sides, a key left out taken from the other side (block, layout), else the
     default; says on stderr what was taken, so no value is chosen silently."""
     out = []
@@ -55,12 +56,14 @@ def sides(prefill: SideSpec, decode: SideSpec) -> tuple[Instance, Instance]:
         if filled:
             taken = ", ".join(f"{k}={values[k]}" for k in filled)
             print(f"kvbridge plan: {flag}: {taken} taken from {other_flag}", file=sys.stderr)
-        out.append(Instance(**values))  # type: ignore[arg-type]
+        tp, pp = int(values.get("tp", 1)), int(values.get("pp", 1))
+        block, layout = int(values.get("block", 16)), str(values.get("layout", "nhd"))
+        out.append(SideConfig(tp, block, layout, pp=pp))
     return out[0], out[1]
 
 
 def plan_ranks(
-    info: ModelInfo, p: Instance, d: Instance, args: argparse.Namespace, progress: bool
+    info: ModelInfo, p: SideConfig, d: SideConfig, args: argparse.Namespace, progress: bool
 ) -> list[RankPlan]:
     """Every D rank's plan; with ``progress``, one rank at a time with a line on stderr
     each (the seeded block tables are the same in every call, so are the plans)."""
@@ -75,7 +78,9 @@ def plan_ranks(
     return out
 
 
-def _check_memory(info: ModelInfo, p: Instance, d: Instance, args: argparse.Namespace) -> Estimate:
+def _check_memory(
+    info: ModelInfo, p: SideConfig, d: SideConfig, args: argparse.Namespace
+) -> Estimate:
     est = estimate(info, p, d, args.tokens, args.shuffle_blocks)
     if est.bytes > args.max_memory:
         shuffled = (
@@ -114,10 +119,10 @@ def warnings(report: Report, max_memory: int | None = None) -> list[str]:
     need more than ``max_memory`` bytes are not tried."""
     out = _layout_advice(report, max_memory)
     p, d = report.p, report.d
-    lo, hi = sorted((p.block, d.block))
+    lo, hi = sorted((p.block_size, d.block_size))
     if hi % lo:
         out.append(
-            f"block sizes {p.block} (P) and {d.block} (D) do not divide each other: runs "
+            f"block sizes {p.block_size} (P) and {d.block_size} (D) do not divide each other: runs "
             f"break at both sides' block boundaries; equal or dividing sizes keep them long"
         )
     out.extend(_replication_notes(report.info, d))
@@ -130,7 +135,7 @@ def _layout_advice(report: Report, max_memory: int | None) -> list[str]:
     if first.descriptors == 0 or first.bytes_per_descriptor >= SMALL_RUN:
         return []
     p, d = report.p, report.d
-    best: tuple[float, Instance, Instance, RankPlan] | None = None
+    best: tuple[float, SideConfig, SideConfig, RankPlan] | None = None
     for p_lay in ("nhd", "hnd"):
         for d_lay in ("nhd", "hnd"):
             if (p_lay, d_lay) == (p.layout, d.layout):
@@ -169,7 +174,7 @@ def _sides(p_layout: str, d_layout: str) -> str:
     return f"{p_layout.upper()} on P, {d_layout.upper()} on D"
 
 
-def _replication_notes(info: ModelInfo, d: Instance) -> list[str]:
+def _replication_notes(info: ModelInfo, d: SideConfig) -> list[str]:
     out = []
     for field, units in info.sharded:
         if units < d.tp:

@@ -17,7 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbridge.api import Parallel, RankLayout, build_layout
+from kvbridge.api import RankLayout, SideConfig
 from kvbridge.engine.blocks import BlockAllocator, Tables
 from kvbridge.engine.config import ModelConfig, preset
 from kvbridge.engine.errors import EngineError
@@ -58,6 +58,8 @@ class Instance:
     ``num_blocks``: blocks per group (state groups: sequence slots); ``timeout_s``: the
     longest wait for the ranks' answer to one command; ``netns``: the network namespace
     the rank processes run in (a simulated host, :mod:`kvbridge.testing.netns`).
+    ``side``: all of these shape arguments as one :class:`SideConfig` (then they are
+    ignored).
     """
 
     def __init__(
@@ -71,18 +73,17 @@ class Instance:
         timeout_s: float = 120.0,
         pp: int = 1,
         netns: str = "",
+        side: SideConfig | None = None,
     ) -> None:
         self.config = preset(model)
-        self.spec = model_spec(self.config, block_size)
-        self.parallel = Parallel(tp, pp)
-        self._layouts = [
-            build_layout(self.spec, self.parallel, r, layout, num_blocks)
-            for r in range(self.parallel.world)
-        ]
+        self.side = side or SideConfig(tp, block_size, layout, num_blocks, pp, netns)
+        self.spec = model_spec(self.config, self.side.block_size)
+        self.parallel = self.side.parallel
+        self._layouts = [self.side.rank_layout(self.spec, r) for r in range(self.side.world)]
         state = tuple(self.spec.is_state_group(g) for g in range(len(self.spec.groups)))
         self._blocks = BlockAllocator(self._layouts[0], state)
         self._requests: dict[str, Request] = {}
-        boot = Boot(self.config, block_size, layout, num_blocks, tp, pp=pp, netns=netns)
+        boot = Boot(self.config, self.side)
         in_process = self.parallel.world == 1 if processes is None else not processes
         self._ranks = LocalRanks(boot) if in_process else ProcessRanks(boot, timeout_s)
         self.in_process = in_process

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.api import Mode, Outcome, Policy, RankInfo
+from kvbridge.api import Mode, Outcome, Policy, RankInfo, SideConfig
 from kvbridge.engine.config import ModelConfig
+from kvbridge.harness import Failed, Stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,17 +24,11 @@ class Boot:
     """Everything a rank needs to build its model slice and its cache."""
 
     config: ModelConfig
-    block_size: int
-    layout: str
-    num_blocks: int
-    tp: int
+    side: SideConfig
+    """The instance's shape; ``rank`` is global (``stage · tp + tp_rank``)."""
     rank: int = 0
     port: int = 0
     """TCP port of the gloo rendezvous on 127.0.0.1 (unused at TP 1 in process)."""
-    pp: int = 1
-    """Pipeline stages; ``rank`` is global (``stage · tp + tp_rank``)."""
-    netns: str = ""
-    """Network namespace the rank process runs in (a simulated host; "": this one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +42,6 @@ class Extend:
     tokens: tuple[int, ...]
     start: int
     tables: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +121,6 @@ class Ack:
 @dataclass(frozen=True, slots=True)
 class Loaded:
     outcome: Outcome
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    rank: int
-    error: str
 
 
 KVCommand = ServeKV | ConsumeKV | LoadKV | AwaitKV

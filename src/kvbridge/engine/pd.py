@@ -21,7 +21,15 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbridge.api import Mode, Outcome, PeerError, Policy, Producer, TransferHandle
+from kvbridge.api import (
+    Mode,
+    Outcome,
+    PeerError,
+    Policy,
+    Producer,
+    SideConfig,
+    TransferHandle,
+)
 from kvbridge.engine.config import ModelConfig
 from kvbridge.engine.errors import EngineError
 from kvbridge.engine.instance import Instance
@@ -32,42 +40,10 @@ HANDSHAKE_SLACK_S = 15.0
 _TOKEN = struct.Struct("<I")
 
 
-@dataclass(frozen=True, slots=True)
-class Side:
-    """One instance's shape: TP size, block size (tokens), layout name, pool size (blocks
-    per group), PP stages."""
-
-    tp: int = 1
-    block_size: int = 16
-    layout: str = "nhd"
-    num_blocks: int = 128
-    pp: int = 1
-    netns: str = ""
-    """Run the instance in this network namespace (a simulated host): its rank
-    processes, and for P the coordinator's side channel."""
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp
-
-    def __str__(self) -> str:
-        pp = f" × PP {self.pp}" if self.pp > 1 else ""
-        return f"TP {self.tp}{pp}, block {self.block_size}, {self.layout}"
-
-    def instance(self, model: str | ModelConfig, timeout_s: float) -> Instance:
-        """The engine instance, one process per rank (even at TP 1: NIXL needs the agent
-        in the process that owns the cache)."""
-        return Instance(
-            model,
-            self.tp,
-            self.block_size,
-            self.layout,
-            self.num_blocks,
-            processes=True,
-            timeout_s=timeout_s,
-            pp=self.pp,
-            netns=self.netns,
-        )
+def _instance(side: SideConfig, model: str | ModelConfig, timeout_s: float) -> Instance:
+    """The engine instance, one process per rank (even at TP 1: NIXL needs the agent in
+    the process that owns the cache)."""
+    return Instance(model, side=side, processes=True, timeout_s=timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +66,7 @@ class PrefillServer:
     def __init__(
         self,
         model: str | ModelConfig,
-        side: Side,
+        side: SideConfig,
         secret: bytes,
         lease_s: float = 30.0,
         timeout_s: float = 60.0,
@@ -100,7 +76,7 @@ class PrefillServer:
         """``host``: where P's side channels (coordinator and push) bind; ``advertise``:
         the address D connects to, if not ``host`` (D on another machine)."""
         self.engine_id = f"P-{secrets.token_hex(4)}"
-        self.engine = side.instance(model, timeout_s)
+        self.engine = _instance(side, model, timeout_s)
         self.producer: Producer | None = None
         self.host, self.advertise, self.netns = host, advertise, side.netns
         try:
@@ -164,7 +140,7 @@ class DecodeServer:
     def __init__(
         self,
         model: str | ModelConfig,
-        side: Side,
+        side: SideConfig,
         secret: bytes,
         mode: Mode = Mode.PULL,
         transfer_timeout_s: float = 10.0,
@@ -172,7 +148,7 @@ class DecodeServer:
     ) -> None:
         self.engine_id = f"D-{secrets.token_hex(4)}"
         self.await_s = transfer_timeout_s + HANDSHAKE_SLACK_S
-        self.engine = side.instance(model, self.await_s + 30.0)
+        self.engine = _instance(side, model, self.await_s + 30.0)
         try:
             cmd = ConsumeKV(self.engine_id, secret, mode, transfer_timeout_s, policy)
             self.engine.call_ranks(cmd)

@@ -1,20 +1,18 @@
 """A rank: its model slice and cache (:class:`RankEngine`), and the process that runs one.
 
 A worker process joins the instance's gloo group on 127.0.0.1, answers commands from its
-pipe, and exits on :class:`Stop`, when the pipe closes, or when its parent is gone (it
-checks every ``POLL_S`` seconds). Collectives time out after ``COLLECTIVE_TIMEOUT_S``.
+pipe (``kvbridge.harness.serve``), and exits on :class:`Stop`, when the pipe closes, or
+when its parent is gone. Collectives time out after ``COLLECTIVE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
-from kvbridge.api import Parallel
 from kvbridge.engine.cache import PagedCache
 from kvbridge.engine.comm import Comm, GlooComm
 from kvbridge.engine.kv_rank import RankKV
@@ -31,8 +29,8 @@ from kvbridge.engine.messages import (
 from kvbridge.engine.model import Model
 from kvbridge.engine.ops import Shard, Step
 from kvbridge.engine.spec import model_spec
+from kvbridge.harness import serve
 
-POLL_S = 0.5
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -41,13 +39,13 @@ class RankEngine:
     their cache; ``comm`` reaches the other ranks."""
 
     def __init__(self, boot: Boot, comm: Comm) -> None:
-        spec = model_spec(boot.config, boot.block_size)
-        par = Parallel(boot.tp, boot.pp)
+        spec = model_spec(boot.config, boot.side.block_size)
+        par = boot.side.parallel
         stage, tp_rank = par.coords(boot.rank)
         layers = range(*par.stage_ranges(len(spec.layers))[stage])
         self.comm = comm
-        self.cache = PagedCache(spec, par, boot.rank, boot.layout, boot.num_blocks)
-        self.model = Model(boot.config, spec, Shard(boot.tp, tp_rank), comm.all_reduce, layers)
+        self.cache = PagedCache(spec, par, boot.rank, boot.side.layout, boot.side.num_blocks)
+        self.model = Model(boot.config, spec, Shard(boot.side.tp, tp_rank), comm.all_reduce, layers)
         bases = [a for a, _ in self.cache.addresses()]
         self.kv = RankKV(spec, par, boot.rank, self.cache.layout, bases)
 
@@ -79,47 +77,28 @@ class RankEngine:
 
 def worker_main(conn: Connection, boot: Boot) -> None:
     """Entry point of a rank process."""
-    if boot.netns:
+    if boot.side.netns:
         from kvbridge.testing.netns import enter
 
-        enter(boot.netns)  # before NIXL loads (it lists interfaces from /sys)
+        enter(boot.side.netns)  # before NIXL loads (it lists interfaces from /sys)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{boot.port}",
         rank=boot.rank,
-        world_size=boot.tp * boot.pp,
+        world_size=boot.side.world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     try:
         try:
-            engine = RankEngine(boot, GlooComm(Parallel(boot.tp, boot.pp), boot.rank))
+            engine = RankEngine(boot, GlooComm(boot.side.parallel, boot.rank))
         except Exception as e:
             conn.send(Failed(boot.rank, f"{type(e).__name__}: {e}"))
             return
         conn.send(engine.regions())
         try:
-            serve(conn, engine, boot.rank)
+            serve(conn, engine.handle, boot.rank)
         finally:
             engine.close()
     finally:
         dist.destroy_process_group()
-
-
-def serve(conn: Connection, engine: RankEngine, rank: int) -> None:
-    parent = multiprocessing.parent_process()
-    while parent is None or parent.is_alive():
-        if not conn.poll(POLL_S):
-            continue
-        try:
-            cmd = conn.recv()
-        except EOFError:
-            return
-        if isinstance(cmd, Stop):
-            return
-        reply: Reply
-        try:
-            reply = engine.handle(cmd)
-        except Exception as e:
-            reply = Failed(rank, f"{type(e).__name__}: {e}")
-        conn.send(reply)

@@ -4,11 +4,13 @@ Add a layout with :func:`register_layout` (``layout/registry.py``)."""
 
 from kvbridge.layout.build import build_layout
 from kvbridge.layout.registry import LayoutKind, get_layout, layout_names, register_layout
+from kvbridge.layout.side import SideConfig
 from kvbridge.layout.view import RankLayout, View
 
 __all__ = [
     "LayoutKind",
     "RankLayout",
+    "SideConfig",
     "View",
     "build_layout",
     "get_layout",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.layout import build_layout, get_layout
+from kvbridge.layout import SideConfig, build_layout
 from kvbridge.plan.build import Geometry
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.plan import PlanSummary
@@ -28,22 +28,6 @@ _ALIGN = 4096
 
 
 @dataclass(frozen=True, slots=True)
-class Instance:
-    """One side's configuration: TP, PP, tokens per block (all token groups), layout."""
-
-    tp: int = 1
-    pp: int = 1
-    block: int = 16
-    layout: str = "nhd"
-
-    def __post_init__(self) -> None:
-        get_layout(self.layout)  # LayoutError naming the known ones
-
-    def describe(self) -> str:
-        return f"tp={self.tp} pp={self.pp} block={self.block} layout={self.layout}"
-
-
-@dataclass(frozen=True, slots=True)
 class RankPlan:
     """The plan summary of one D rank."""
 
@@ -55,8 +39,8 @@ class RankPlan:
 
 def dry_run(
     info: ModelInfo,
-    p: Instance,
-    d: Instance,
+    p: SideConfig,
+    d: SideConfig,
     tokens: int,
     cached: int = 0,
     shuffle_seed: int | None = None,
@@ -68,8 +52,8 @@ def dry_run(
         info.check_tp(inst.tp)
     p_par = Parallel(p.tp, p.pp, info.stages(p.pp))
     d_par = Parallel(d.tp, d.pp, info.stages(d.pp))
-    p_spec = info.spec.with_block_sizes(p.block)
-    d_spec = info.spec.with_block_sizes(d.block)
+    p_spec = info.spec.with_block_sizes(p.block_size)
+    d_spec = info.spec.with_block_sizes(d.block_size)
     pool = max(pool_size(p_spec, tokens), pool_size(d_spec, tokens))
     rng = np.random.default_rng(shuffle_seed)
     shuffle = shuffle_seed is not None
