@@ -293,29 +293,7 @@ class NixlTransport(Transport):
                 f"{op} of {runs} runs ({total} B) with {peer!r} refused: {exc!r} "
                 "(NOT_FOUND: a run outside registered memory)"
             ) from exc
-        return self._start(op, xfer, peer, runs, total)
-
-    def prep(self, peer: str, rows: np.ndarray) -> Any:
-        """A list for :meth:`read_prepped` (``peer`` ``""``: own memory) of uint64 rows
-        ``(addr, len, 0)``, or ``(addr, len, 0, stride, count)``: ``count`` runs."""
-        try:
-            return self._check_open().prep_xfer_dlist(peer, rows, "DRAM")
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot prepare {len(rows)} rows for {peer!r}: {exc!r}") from exc
-
-    def read_prepped(
-        self, peer: str, local: Any, li: np.ndarray, remote: Any, ri: np.ndarray, nbytes: int
-    ) -> NixlXferHandle:
-        """READ ``remote[ri[k]]`` to ``local[li[k]]`` (int32 indices into :meth:`prep` lists;
-        NIXL merges runs continuing on both sides); ``nbytes``: the total, for the handle."""
-        try:
-            xfer = self._check_open().make_prepped_xfer("READ", local, li, remote, ri)
-        except _CAUGHT as exc:
-            raise TransportError(f"prepped READ of {len(li)} runs refused: {exc!r}") from exc
-        return self._start("READ", xfer, peer, len(li), nbytes)
-
-    def _start(self, op: str, xfer: Any, peer: str, runs: int, total: int) -> NixlXferHandle:
-        agent, handle = self._check_open(), NixlXferHandle(self, xfer, peer, runs, total)
+        handle = NixlXferHandle(self, xfer, peer, runs, total)
         with self._lock:
             self._live.add(handle)
         try:
