@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from kvbridge.cli.main import main
-from kvbridge.plan.dry_run import Instance, dry_run
+from kvbridge.layout.side import SideConfig
+from kvbridge.plan.dry_run import dry_run
 from kvbridge.spec import Group, ModelSpec, mla
 from kvbridge.spec.hf import from_hf_config, load_config
 from kvbridge.spec.info import ModelInfo
@@ -211,5 +212,5 @@ def test_consecutive_ids_coalesce_across_unequal_block_sizes() -> None:
     source order when ids continue)."""
     spec = ModelSpec("one", (mla(0, 576),), (Group("attn", (0,), 16),))
     info = ModelInfo(spec, "test", (0,))
-    (rank,) = dry_run(info, Instance(block=16), Instance(block=32), tokens=64)
+    (rank,) = dry_run(info, SideConfig(block_size=16), SideConfig(block_size=32), tokens=64)
     assert rank.summary.descriptors == 1
