@@ -19,6 +19,10 @@ def test_the_lazy_names_are_the_api() -> None:
     assert set(api.__all__) == kvbridge._API
     for name in api.__all__:
         assert getattr(kvbridge, name) is getattr(api, name)
+    public = {
+        n for n, v in vars(api).items() if getattr(v, "__module__", "").startswith("kvbridge")
+    }
+    assert public <= set(api.__all__), public - set(api.__all__)  # nothing unlisted
 
 
 def test_import_kvbridge_loads_nothing_heavy() -> None:
