@@ -1,4 +1,4 @@
-"""``kvbridge bench plan|transfer|vllm [--quick] [--calls N] [--json] [--plot FILE.png]``:
+"""``kvbridge bench plan|transfer|trace|vllm [--quick] [--calls N] [--json] [--plot FILE.png]``:
 benchmarks that print figures. One progress line per finished case goes to stderr; the
 table (or, with ``--json``, one JSON list) to stdout at the end; ``--plot`` (plan,
 transfer) also draws them into a PNG (``kvbridge.bench.plot``)."""
@@ -18,7 +18,7 @@ QUICK_CALLS = 50
 
 def register(sub: Any) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print its figures")
-    p.add_argument("what", choices=["plan", "transfer", "vllm"])
+    p.add_argument("what", choices=["plan", "transfer", "trace", "vllm"])
     p.add_argument("--json", action="store_true", help="one JSON list, one object per case")
     p.add_argument(
         "--calls",
@@ -30,7 +30,8 @@ def register(sub: Any) -> None:
         "--quick",
         action="store_true",
         help="smaller, faster run: plan leaves out the 32k-token cases and times 50 calls; "
-        "transfer runs 1024 tokens only; vllm runs the three llama block-size cases",
+        "transfer runs 1024 tokens only; trace runs three cases of four requests; vllm runs the "
+        "three llama block-size cases",
     )
     p.add_argument(
         "--plot",
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         _check_plot(args.what, args.plot)
+    if args.what == "trace":
+        return _trace(args)
     if args.what == "plan":
         from kvbridge.bench.plan_bench import as_dicts, cases
 
@@ -79,13 +82,24 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_plot(what: str, path: str) -> None:
     """Refuse a ``--plot`` before the bench runs rather than after."""
-    if what == "vllm":
+    if what in ("vllm", "trace"):
         from kvbridge.errors import ConfigError
 
-        raise ConfigError("--plot: bench vllm draws no figure; --plot works with plan, transfer")
+        raise ConfigError(f"--plot: bench {what} draws no figure; --plot works with plan, transfer")
     from kvbridge.bench.plot import check_target
 
     check_target(path)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    """``bench trace``: transfers on an allocator trace (``bench/trace_bench.py``)."""
+    if args.calls is not None:
+        from kvbridge.errors import ConfigError
+
+        raise ConfigError("--calls: bench trace sets its requests per case; no --calls")
+    from kvbridge.bench.trace_bench import main as trace_main
+
+    return trace_main([*(["--quick"] if args.quick else []), *(["--json"] if args.json else [])])
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
