@@ -24,6 +24,7 @@ from kvbridge.connector.handle import TransferHandle, checked_tables
 from kvbridge.connector.load import LoadState, Mode, Outcome, Policy, _Load
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
+from kvbridge.connector.push_staging import StagedPusher, choose_push
 from kvbridge.connector.staging import Stager
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
@@ -61,23 +62,29 @@ class Consumer:
         pad_blocks: bool = False,
         staging_bytes: int = 32 << 20,
         keys: Keys | None = None,
+        push_staging: bool = True,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
         first and last blocks that lie outside the tokens D needs (see
         :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls of many small runs, split
-        in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`).
+        in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`); push
+        mode stages through it too unless ``push_staging`` is False
+        (:mod:`kvbridge.connector.push_staging`).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``)."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode = transfer_timeout_s, mode
+        self.push_staging = push_staging
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
         self.stager: Stager | None = None
-        if staging_bytes >= workers * 4096 and mode is Mode.PULL:
+        if staging_bytes >= workers * 4096:
             self.stager = Stager(regions, workers, staging_bytes // workers)
         self._probe = ProbeArea()
-        extra = [self.stager.pool.region if self.stager else self._probe.region]
+        extra = [self.stager.pool.region] if self.stager else []
+        if mode is Mode.PUSH or not extra:
+            extra.append(self._probe.region)  # the push fence's probes land here
         self.metadata = transport.register(regions + extra)
         self._notifs: set[bytes] = set()
         self.peers = PeerCache(
@@ -157,7 +164,7 @@ class Consumer:
                 job.handle.request_id,
                 True,
                 plan.nbytes,
-                job.posted if self.mode is Mode.PULL else plan.descriptors,
+                job.posted,
                 time.perf_counter() - t0,
                 stages=job.stages,
                 staged_runs=job.staged_runs,
@@ -254,8 +261,33 @@ class Consumer:
             job.posted += len(n[lo:hi])
 
     def _push(self, peer: Peer, job: _Load, runs: dict[int, Runs]) -> None:
+        """Direct runs first, then the staged ones in rounds through a slot that, should
+        the load fail, returns to the pool only after the fence (``job.slot``)."""
         deadline = time.monotonic() + self.timeout_s
-        want = push_runs(peer, job.handle.request_id, runs, self.rank, self.metadata, job.pushed)
+        t0 = time.perf_counter()
+        rid = job.handle.request_id
+        stager = self.stager if self.push_staging else None
+        staged = choose_push(stager, runs) if stager is not None else None
+        if staged is not None:
+            job.slot = staged.slot
+            runs = {src: r for src, r in runs.items() if src not in staged.ranks}
+        want, job.posted = push_runs(peer, rid, runs, self.rank, self.metadata, job.pushed)
+        self._await(want, deadline)
+        if stager is None or staged is None:
+            if stager is not None:
+                nbytes = sum(r.nbytes for r in runs.values())
+                stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
+            return
+        pusher = StagedPusher(
+            stager, peer, rid, self.rank, self.metadata, lambda w: self._await(w, deadline)
+        )
+        posted, job.staged_runs = pusher.run(staged, job.pushed)
+        job.posted += posted
+        stager.pool.give_back(staged.slot, True)
+        job.slot = None
+
+    def _await(self, want: set[bytes], deadline: float) -> None:
+        """Until every notification in ``want`` arrived; TransferTimeout at ``deadline``."""
         while True:
             with self._lock:
                 self._notifs.update(m for _, m in self.transport.notifications())

@@ -14,6 +14,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvbridge.connector.handle import TransferHandle, checked_tables
+from kvbridge.connector.push_gather import PushGather
 from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
 from kvbridge.control.messages import (
@@ -46,6 +47,10 @@ class ProducerWorker:
     write still running at its deadline is kept (not released: that would not cancel
     it) until D asks :class:`PushFence`; the answer says whether it ended, and the rank
     refuses any later push of a fenced request (D fences before it reports a failure).
+
+    A staged push (``PushRuns.staged``) is gathered into one of ``push_slots`` staging
+    slots of ``push_slot_bytes`` (registered here; 0 slots: none) and written as a few
+    spans; a slot returns once its write ended (:mod:`kvbridge.connector.push_gather`).
     """
 
     FENCED_KEPT = 65536
@@ -62,6 +67,8 @@ class ProducerWorker:
         push_timeout_s: float = 10.0,
         advertise: str = "",
         keys: Keys | None = None,
+        push_slots: int = 2,
+        push_slot_bytes: int = 32 << 20,
     ):
         self.rank = rank
         self.transport = transport
@@ -69,8 +76,14 @@ class ProducerWorker:
         self._peers: dict[bytes, str] = {}
         self._running: dict[str, list[XferHandle]] = {}
         self._fenced: OrderedDict[str, None] = OrderedDict()
+        self._slots: dict[XferHandle, int] = {}
+        """The staging slot each kept write reads from."""
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
-        meta = transport.register(regions)
+        self.gather: PushGather | None = None
+        if secret is not None and push_slots > 0:
+            self.gather = PushGather(regions, push_slots, push_slot_bytes)
+        extra = [self.gather.pool.region] if self.gather is not None else []
+        meta = transport.register(regions + extra)
         self.server = (
             Server(self._handle, secret, host, advertise=advertise, keys=keys)
             if secret is not None
@@ -96,18 +109,44 @@ class ProducerWorker:
         peer = self._peers.get(msg.d_agent)
         if peer is None:
             peer = self._peers[msg.d_agent] = self.transport.add_peer(msg.d_agent)
-        handle = self.transport.write(peer, src, dst, n, msg.notif)
+        return self._write(msg, peer, src, dst, n)
+
+    def _write(
+        self, msg: PushRuns, peer: str, src: np.ndarray, dst: np.ndarray, n: np.ndarray
+    ) -> PushReply:
+        slot: int | None = None
+        if msg.staged and self.gather is not None:
+            handle, slot, posted = self.gather.write(self.transport, peer, src, dst, n, msg.notif)
+        else:
+            handle, posted = self.transport.write(peer, src, dst, n, msg.notif), int(n.shape[0])
         try:
             self.transport.wait_or_keep(handle, self.timeout_s)
         except TransferTimeout:
             self._running.setdefault(msg.request_id, []).append(handle)
+            if slot is not None:
+                self._slots[handle] = slot  # back once the write ended
             raise
-        return PushReply(int(src.shape[0]))
+        except BaseException:
+            if slot is not None and self.gather is not None:
+                self.gather.release(slot)  # failed as the transport reports it: ended
+            raise
+        if slot is not None and self.gather is not None:
+            self.gather.release(slot)
+        return PushReply(posted)
+
+    def _ended(self, handle: XferHandle) -> bool:
+        """As :meth:`Transport.ended`; gives back the staging slot of a write that ended."""
+        if not self.transport.ended(handle):
+            return False
+        slot = self._slots.pop(handle, None)
+        if slot is not None and self.gather is not None:
+            self.gather.release(slot)
+        return True
 
     def _sweep(self) -> None:
         """Release kept writes that ended, whoever asks (D may never ask again)."""
         for rid in list(self._running):
-            left = [h for h in self._running[rid] if not self.transport.ended(h)]
+            left = [h for h in self._running[rid] if not self._ended(h)]
             if left:
                 self._running[rid] = left
             else:
@@ -117,7 +156,7 @@ class ProducerWorker:
         self._fenced[request_id] = None
         while len(self._fenced) > self.FENCED_KEPT:
             self._fenced.popitem(last=False)
-        left = [h for h in self._running.pop(request_id, []) if not self.transport.ended(h)]
+        left = [h for h in self._running.pop(request_id, []) if not self._ended(h)]
         if left:
             self._running[request_id] = left
         return FenceReply(request_id, not left)

@@ -28,11 +28,12 @@ class ProbeArea:
 
 def push_runs(
     peer: Peer, request_id: str, runs: dict[int, Runs], rank: int, agent: bytes, pushed: list[int]
-) -> set[bytes]:
+) -> tuple[set[bytes], int]:
     """Send each source rank its runs; returns the notifications that will say they
-    landed. ``pushed`` gets each rank before it is asked (it may write even if the call
-    fails)."""
+    landed and the descriptors the ranks posted. ``pushed`` gets each rank before it is
+    asked (it may write even if the call fails)."""
     want = set()
+    posted = 0
     for src, r in runs.items():
         notif = f"kvb:{request_id}:{src}:{rank}".encode()
         s, d, n = (a.astype("<u8").tobytes() for a in r.as_uint64())
@@ -42,7 +43,8 @@ def push_runs(
         if not isinstance(reply, PushReply):
             raise PeerError(f"push: unexpected reply {type(reply).__name__}")
         want.add(notif)
-    return want
+        posted += reply.runs
+    return want, posted
 
 
 def push_fence_checks(

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from kvbridge.errors import TransferTimeout, TransportError
 from kvbridge.plan.runs import Runs
@@ -37,6 +38,8 @@ DESC_COST_S = 2e-6
 """Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
 ROUND_TRIP_S = 1e-4
 """Fixed cost of one more transfer round (post, wait) per staged chunk."""
+PROGRESSION_S = 3e-6
+"""Cost of one strided copy (a progression of runs) besides its bytes."""
 
 
 class LocalMemory:
@@ -65,14 +68,35 @@ class LocalMemory:
                 k = ln == size
                 copy_equal(self.views[r], d_off[k], src, s_off[k], int(size))
 
+    def gather(
+        self, src: np.ndarray, dst: np.ndarray, dst_off: np.ndarray, length: np.ndarray
+    ) -> None:
+        """Copy absolute address ``src[i]`` (``length[i]`` bytes, inside one region,
+        checked) to ``dst[dst_off[i] : dst_off[i] + length[i]]``: :meth:`scatter` reversed."""
+        reg = np.searchsorted(self.bases, src, side="right") - 1
+        if (reg < 0).any() or (src + length > self.ends[np.maximum(reg, 0)]).any():
+            raise TransportError("staged gather: a source run leaves local memory")
+        for r in np.unique(reg):
+            m = reg == r
+            s_off, d_off, ln = src[m] - self.bases[r], dst_off[m], length[m]
+            for size in np.unique(ln):
+                k = ln == size
+                copy_equal(dst, d_off[k], self.views[r], s_off[k], int(size))
+
 
 def copy_equal(
     dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
 ) -> None:
     """``dv[d_off[i] : +size] = sv[s_off[i] : +size]`` for all i (uint8 arrays)."""
+    if d_off.shape[0] == 0:
+        return
+    _inside(dv, d_off, size)
+    _inside(sv, s_off, size)
     if d_off.shape[0] <= 16 or size >= 1 << 16:  # few or long runs: slices
         for a, b in zip(d_off.tolist(), s_off.tolist(), strict=True):
             dv[a : a + size] = sv[b : b + size]
+        return
+    if _strided(dv, d_off, sv, s_off, size):
         return
     w = 8
     while w > 1 and (size % w or (d_off % w).any() or (s_off % w).any()):
@@ -81,6 +105,39 @@ def copy_equal(
     dw, sw = dv.view(dt) if w > 1 else dv, sv.view(dt) if w > 1 else sv
     step = np.arange(size // w, dtype=np.int64)
     dw[(d_off // w)[:, None] + step] = sw[(s_off // w)[:, None] + step]
+
+
+def _inside(v: np.ndarray, off: np.ndarray, size: int) -> None:
+    if int(off.min()) < 0 or int(off.max()) + size > v.shape[0]:
+        raise TransportError(f"copy of {size} B runs outside a {v.shape[0]} B buffer")
+
+
+def _strided(
+    dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
+) -> bool:
+    """Copy runs that form arithmetic progressions on both sides (a block's rows, sorted)
+    as 2-D strided views, at memcpy speed; False (nothing copied) if the runs form too
+    many progressions (then the caller's gather-scatter is cheaper)."""
+    n = d_off.shape[0]
+    dd, ds = np.diff(d_off), np.diff(s_off)
+    cut = _cuts(dd, ds)
+    if cut.shape[0] * 8 > n:
+        return False
+    ends = np.append(cut, n - 1).tolist()  # progression k: diffs [cut[k-1], ends[k])
+    d_l, s_l, dd_l, ds_l = d_off.tolist(), s_off.tolist(), dd.tolist(), ds.tolist()
+    i = 0
+    for end in ends:
+        if i > end:
+            continue
+        m = end - i + 1 if i < end else 1
+        if m == 1 or abs(dd_l[i]) < size:  # one run, or destinations that overlap
+            for a, b in zip(d_l[i : i + m], s_l[i : i + m], strict=True):
+                dv[a : a + size] = sv[b : b + size]
+        else:
+            rows = as_strided(dv[d_l[i] :], (m, size), (dd_l[i], 1))
+            rows[...] = as_strided(sv[s_l[i] :], (m, size), (ds_l[i], 1))
+        i += m
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +183,18 @@ def _chunk(s: np.ndarray, d: np.ndarray, ln: np.ndarray) -> Chunk:
     return Chunk(span_src, stage, span_len, d, stage[span_id] + (s - span_src[span_id]), ln)
 
 
+def _cuts(dd: np.ndarray, ds: np.ndarray) -> np.ndarray:
+    """Where the step between consecutive runs changes, on either side."""
+    return np.flatnonzero((dd[1:] != dd[:-1]) | (ds[1:] != ds[:-1])) + 1
+
+
+def progressions(d_off: np.ndarray, s_off: np.ndarray) -> int:
+    """About how many strided copies :func:`copy_equal` makes of these runs (in order)."""
+    if d_off.shape[0] < 3:
+        return int(d_off.shape[0])
+    return int(_cuts(np.diff(d_off), np.diff(s_off)).shape[0]) + 1
+
+
 class CostModel:
     """Direct: ``runs · c_desc``. Staged: ``spans · c_desc + rounds · round trip +
     scatter(runs, bytes)``; the scatter's per-run and per-byte costs are measured at
@@ -134,13 +203,28 @@ class CostModel:
     def __init__(self) -> None:
         self.c_desc = DESC_COST_S
         self.per_run, self.per_byte = _measure_scatter()
+        self.per_byte_strided = _measure_strided()
         self._lock = threading.Lock()
 
-    def staged_wins(self, runs: int, spans: int, nbytes: int, rounds: int) -> bool:
+    def staged_wins(
+        self,
+        runs: int,
+        spans: int,
+        nbytes: int,
+        rounds: int,
+        copies: int = 1,
+        strides: int | None = None,
+    ) -> bool:
+        """``copies``: local copies of every byte (a staged push: P's gather and D's
+        scatter, 2); ``strides``: progressions the copies make (:func:`progressions`),
+        if known: few (one per 8 runs at most) are copied as strided views."""
         direct = runs * self.c_desc
         staged = spans * self.c_desc + rounds * ROUND_TRIP_S
-        staged += runs * self.per_run + nbytes * self.per_byte
-        return staged < direct
+        if strides is not None and strides * 8 <= runs:
+            copy = strides * PROGRESSION_S + nbytes * self.per_byte_strided
+        else:
+            copy = runs * self.per_run + nbytes * self.per_byte
+        return staged + copies * copy < direct
 
     def learn(self, descriptors: int, nbytes: int, seconds: float) -> None:
         """A direct transfer of small runs: what one descriptor cost (moving average)."""
@@ -157,10 +241,11 @@ def _measure_scatter() -> tuple[float, float]:
 
     def timed(size: int) -> float:
         off = np.arange(0, 1 << 20, size, dtype=np.int64)
+        shuffled = np.random.default_rng(0).permutation(off)  # no strided shortcut
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            copy_equal(dst, off[::-1].copy(), src, off, size)
+            copy_equal(dst, shuffled, src, off, size)
             best = min(best, time.perf_counter() - t0)
         return best
 
@@ -168,6 +253,19 @@ def _measure_scatter() -> tuple[float, float]:
     per_run = max((small - big) / (8192 - 128), 0.0)
     per_byte = max((big - 128 * per_run) / (1 << 20), 0.0)
     return per_run, per_byte
+
+
+def _measure_strided() -> float:
+    """Seconds per byte of :func:`copy_equal` over one progression of 1 KiB runs."""
+    src = np.ones(1 << 20, np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    off = np.arange(0, 1 << 20, 1024, dtype=np.int64)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        copy_equal(dst, off[::-1].copy(), src, off, 1024)
+        best = min(best, time.perf_counter() - t0)
+    return best / (1 << 20)
 
 
 class StagingPool:

@@ -16,7 +16,8 @@ import msgspec
 from kvbridge.errors import LayoutError, PeerError
 from kvbridge.layout.view import RankLayout, View
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
+"""5: staged push (``PushRuns.staged``; ``PushReply.runs`` counts descriptors posted)."""
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -100,6 +101,9 @@ class PushRuns(msgspec.Struct, tag="push", frozen=True):
     """D → P rank: write these runs into D and notify ``notif`` once they landed.
 
     ``src``, ``dst``, ``nbytes``: little-endian uint64 arrays as bytes.
+    ``staged``: the destinations are contiguous spans of D's staging slot (a staged
+    push): the rank may gather its sources into a registered staging area of its own
+    and write a few long spans (:mod:`kvbridge.connector.push_gather`).
     """
 
     request_id: str
@@ -108,10 +112,12 @@ class PushRuns(msgspec.Struct, tag="push", frozen=True):
     dst: bytes
     nbytes: bytes
     notif: bytes
+    staged: bool = False
 
 
 class PushReply(msgspec.Struct, tag="push_reply", frozen=True):
     runs: int
+    """Descriptors the rank posted (fewer than the runs asked for if it gathered them)."""
 
 
 class PushFence(msgspec.Struct, tag="push_fence", frozen=True):

@@ -1,0 +1,110 @@
+"""P's half of a staged push: gather scattered source runs into a registered staging
+slot of this rank, then WRITE them to D as a few long spans.
+
+D asks for a staged push (``PushRuns.staged``) when its runs are small: their
+destinations are then contiguous spans of D's own staging slot. Posting each small run
+as its own descriptor costs the transport per descriptor; copying them locally into one
+slot (a vectorised copy, :func:`~kvbridge.connector.staging.copy_equal`) and writing
+the slot's spans costs a copy per byte and a descriptor per span.
+
+Bounded: a few slots are allocated and registered when the worker starts; when none is
+free (all held by writes still running), or the runs do not fit one slot, the rank
+writes the runs direct (back-pressure, no unbounded memory). A slot goes back to the
+pool only once the WRITE reading from it ended (:meth:`PushGather.release`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.connector.staging import LocalMemory, StagingPool
+from kvbridge.transport.base import Region, Transport, XferHandle
+
+MIN_RUNS = 16
+"""Fewer runs than this are written direct (nothing to gain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """Where each run goes in the slot, and the spans written from it."""
+
+    stage: np.ndarray
+    """Offset of each run (in the order given) in the slot."""
+    span_stage: np.ndarray
+    span_dst: np.ndarray
+    span_len: np.ndarray
+
+
+def spans(dst: np.ndarray, length: np.ndarray, slot_bytes: int) -> Spans | None:
+    """Runs whose destinations join into few contiguous spans (at most one per 4 runs)
+    and whose bytes fit a slot: their layout in the slot, runs of a span adjacent in
+    destination order. None: write direct."""
+    n = dst.shape[0]
+    if n < MIN_RUNS or int(length.sum()) > slot_bytes:
+        return None
+    order = np.argsort(dst, kind="stable")
+    d, ln = dst[order], length[order]
+    if (d[1:] < d[:-1] + ln[:-1]).any():
+        return None  # overlapping destinations: not a staged push's layout
+    new = np.concatenate(([True], d[1:] != d[:-1] + ln[:-1]))
+    if int(new.sum()) * 4 > n:
+        return None
+    packed = np.concatenate(([0], np.cumsum(ln)[:-1]))
+    stage = np.empty(n, np.int64)
+    stage[order] = packed
+    starts = np.flatnonzero(new)
+    span_len = np.diff(np.append(packed[starts], packed[-1] + ln[-1]))
+    return Spans(stage, packed[starts], d[starts], span_len)
+
+
+class PushGather:
+    """A P rank's staging slots for staged pushes and the copy into them.
+    ``regions``: the rank's KV regions (the only memory a gather may read)."""
+
+    def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
+        self.pool = StagingPool(slots, slot_bytes)
+        self.memory = LocalMemory(regions)
+        self.gathered = 0
+        """Staged pushes written from a slot."""
+        self.direct = 0
+        """Staged pushes written direct (no free slot, or runs that do not fit one)."""
+
+    def write(
+        self,
+        transport: Transport,
+        peer: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        n: np.ndarray,
+        notif: bytes,
+    ) -> tuple[XferHandle, int | None, int]:
+        """Gather and WRITE ``src`` → ``dst`` with ``notif``; ``(handle, slot the WRITE
+        reads from or None, descriptors posted)``. The caller gives the slot back with
+        :meth:`release` once the WRITE ended."""
+        s, d, ln = (a.view(np.int64) for a in (src, dst, n))
+        layout = spans(d, ln, self.pool.slot_bytes)
+        slot = self.pool.take(0.0) if layout is not None else None
+        if layout is None or slot is None:
+            self.direct += 1
+            return transport.write(peer, src, dst, n, notif), None, int(n.shape[0])
+        try:
+            self.memory.gather(s, self.pool.view(slot), layout.stage, ln)
+            base = np.int64(self.pool.region.addr + slot * self.pool.slot_bytes)
+            handle = transport.write(
+                peer,
+                (layout.span_stage + base).view(np.uint64),
+                layout.span_dst.view(np.uint64),
+                layout.span_len.view(np.uint64),
+                notif,
+            )
+        except BaseException:
+            self.pool.give_back(slot, True)  # nothing posted reads from it
+            raise
+        self.gathered += 1
+        return handle, slot, int(layout.span_len.shape[0])
+
+    def release(self, slot: int) -> None:
+        """The WRITE reading from ``slot`` ended: the slot may be reused."""
+        self.pool.give_back(slot, True)

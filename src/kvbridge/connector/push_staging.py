@@ -1,0 +1,140 @@
+"""D's half of a staged push: many small runs written by P into D's staging slot at
+contiguous offsets, then scattered locally into D's blocks.
+
+A head split (P TP 1 → D TP 2, NHD) cuts every token row of K and V into its own run
+(1 KiB for a Llama-8B shape): pushed direct, P posts one descriptor per run. Staged,
+D takes a slot of its :class:`~kvbridge.connector.staging.StagingPool`, sorts each P
+rank's runs by source (so P's sources are as contiguous as they get) and asks the rank
+to write them to ``slot + running offset`` (``PushRuns.staged``); the rank gathers its
+sources into a slot of its own and WRITEs a few long spans
+(:mod:`kvbridge.connector.push_gather`). A request larger than the slot goes in rounds.
+
+Safety (docs/faults.md): D scatters a round only after every notification of that
+round arrived, and before the request is reported. A failed load keeps the slot (the
+consumer's ``job.slot``) until the push fence says P's writes ended: a late write can
+land only in the slot, never in blocks the engine may reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.connector.peers import Peer
+from kvbridge.connector.staging import Chunk, Stager, chunks, progressions
+from kvbridge.control.messages import PushReply, PushRuns
+from kvbridge.errors import PeerError, TransportError
+from kvbridge.plan.runs import Runs
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One P rank's chunk in a round, at ``offset`` in the slot."""
+
+    src: int
+    chunk: Chunk
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class StagedPush:
+    slot: int
+    rounds: list[list[Part]]
+    ranks: frozenset[int]
+    """P ranks whose runs go through the slot (the others are pushed direct)."""
+
+
+def choose_push(stager: Stager, runs: dict[int, Runs]) -> StagedPush | None:
+    """The P ranks whose runs the cost model stages (a copy on each side, one span per
+    round), and a slot; None: all direct (also when no slot frees up within 10 ms)."""
+    slot_bytes = stager.pool.slot_bytes
+    staged: dict[int, list[Chunk]] = {}
+    for src, r in runs.items():
+        if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
+            continue  # few or long runs: direct
+        try:
+            chs = chunks(r, slot_bytes)
+        except TransportError:  # a run longer than a slot
+            continue
+        strides = sum(_strides(c) for c in chs)
+        if stager.costs.staged_wins(len(r), len(chs), r.nbytes, len(chs), 2, strides):
+            staged[src] = chs
+    slot = stager.pool.take(0.01) if staged else None
+    if slot is None:
+        return None
+    return StagedPush(slot, _rounds(staged, slot_bytes), frozenset(staged))
+
+
+def _strides(c: Chunk) -> int:
+    """Strided copies of P's gather (sources → slot) or D's scatter, the more of them."""
+    return max(progressions(c.span_stage, c.span_src), progressions(c.run_dst, c.run_stage))
+
+
+def _rounds(staged: dict[int, list[Chunk]], slot_bytes: int) -> list[list[Part]]:
+    """Chunks packed into rounds of at most ``slot_bytes`` (their spans laid end to end)."""
+    out: list[list[Part]] = []
+    cur: list[Part] = []
+    used = 0
+    for src, chs in staged.items():
+        for ch in chs:
+            size = int(ch.span_len.sum())
+            if cur and used + size > slot_bytes:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(Part(src, ch, used))
+            used += size
+    if cur:
+        out.append(cur)
+    return out
+
+
+class StagedPusher:
+    """Runs one staged push: per round, ask each P rank, wait for all notifications
+    (``await_notifs``, which raises at the deadline), scatter the slot into D's blocks."""
+
+    def __init__(
+        self,
+        stager: Stager,
+        peer: Peer,
+        request_id: str,
+        rank: int,
+        agent: bytes,
+        await_notifs: Callable[[set[bytes]], None],
+    ):
+        self.stager, self.peer, self.request_id = stager, peer, request_id
+        self.rank, self.agent, self.await_notifs = rank, agent, await_notifs
+
+    def run(self, plan: StagedPush, pushed: list[int]) -> tuple[int, int]:
+        """``(descriptors P posted, runs moved)``. ``pushed`` gets each P rank before
+        it is asked. The slot is the caller's to give back (now, or after the fence)."""
+        base = self.stager.pool.region.addr + plan.slot * self.stager.pool.slot_bytes
+        view = self.stager.pool.view(plan.slot)
+        posted = moved = 0
+        for k, parts in enumerate(plan.rounds):
+            want = set()
+            for src in sorted({p.src for p in parts}):
+                mine = [p for p in parts if p.src == src]
+                notif = f"kvb:{self.request_id}:{src}:{self.rank}:s{k}".encode()
+                posted += self._ask(src, mine, base, notif, pushed)
+                want.add(notif)
+            self.await_notifs(want)
+            for p in parts:  # every write of the round landed: scatter it
+                c = p.chunk
+                self.stager.memory.scatter(c.run_dst, view, c.run_stage + p.offset, c.run_len)
+                moved += c.run_len.shape[0]
+        return posted, moved
+
+    def _ask(self, src: int, parts: list[Part], base: int, notif: bytes, pushed: list[int]) -> int:
+        s = np.concatenate([p.chunk.span_src for p in parts])
+        d = np.concatenate([p.chunk.span_stage + (base + p.offset) for p in parts])
+        n = np.concatenate([p.chunk.span_len for p in parts])
+        s_b, d_b, n_b = (a.astype("<u8").tobytes() for a in (s, d, n))
+        msg = PushRuns(self.request_id, self.agent, s_b, d_b, n_b, notif, staged=True)
+        client = self.peer.rank_client(src)  # a rank without a push channel: nothing sent
+        pushed.append(src)
+        reply = client.call(msg)
+        if not isinstance(reply, PushReply):
+            raise PeerError(f"staged push: unexpected reply {type(reply).__name__}")
+        return reply.runs

@@ -1,0 +1,251 @@
+"""Staged push over the loopback transport: D's slot, P's gather, the fence.
+
+P TP 1 → D TP 2 in NHD cuts every token row of K and V in two: ~430 runs of 64 B per
+D rank for 200 tokens. Staged, P gathers them into its own slot and writes one span per
+round into D's slot; D scatters. Bytes must equal the reference and a direct push.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.connector.consumer import Consumer, Mode
+from kvbridge.connector.producer import Producer, ProducerWorker
+from kvbridge.connector.push_gather import spans
+from kvbridge.connector.staging import LocalMemory, copy_equal
+from kvbridge.control import messages
+from kvbridge.control.messages import PushRuns, seal, unseal
+from kvbridge.errors import TransportError
+from kvbridge.spec import Parallel
+from kvbridge.testing.scenario import Side
+from kvbridge.transport.base import Region
+from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.unit.test_connector_loopback import SECRET, SPEC, World, check_bytes
+
+SCRIBBLE = 0xAB
+N = 200
+
+
+class HeadSplit(World):
+    """P TP 1 → D TP 2, NHD on both sides, push mode (the World helper's methods)."""
+
+    def __init__(self, timeout_s: float = 5.0, staging_bytes: int = 32 << 20, push_slots: int = 2):
+        self.rng = np.random.default_rng(7)
+        self.p = Side(SPEC, Parallel(1), "nhd", 32)
+        self.d = Side(SPEC, Parallel(2), "nhd", 64)
+        self.p.allocate(self.rng)
+        self.d.allocate(self.rng)
+        self.fabric = Fabric()
+        self.producer = Producer("P", SPEC, self.p.par, SECRET)
+        agent = LoopbackTransport("p0", self.fabric)
+        bases = list(self.p.bound(0).bases)
+        lay = self.p.layouts[0]
+        worker = ProducerWorker(
+            0, lay, bases, agent, SECRET, "127.0.0.1", timeout_s, push_slots=push_slots
+        )
+        self.workers = [worker]
+        self.producer.add_rank(worker.info)
+        self.consumers = [
+            Consumer(
+                "D",
+                self.d.spec,
+                self.d.par,
+                r,
+                self.d.layouts[r],
+                list(self.d.bound(r).bases),
+                LoopbackTransport(f"d{r}", self.fabric),
+                SECRET,
+                transfer_timeout_s=timeout_s,
+                staging_bytes=staging_bytes,
+                mode=Mode.PUSH,
+            )
+            for r in range(2)
+        ]
+
+    def load(self, rid: str, n: int = N) -> tuple[list[list[np.ndarray]], list[list[int]]]:
+        before = [[b.copy() for b in bufs] for bufs in self.d.bufs]
+        handle, d_tabs = self.request(rid, n)
+        for c in self.consumers:
+            c.load(handle, d_tabs)
+        return before, d_tabs
+
+
+def test_staged_push_is_byte_exact_and_equals_a_direct_push() -> None:
+    w = HeadSplit()
+    try:
+        before, d_tabs = w.load("s")
+        outs = w.wait(2)
+        assert all(o.ok for o in outs), outs
+        assert all(o.staged_runs > 300 and o.descriptors < 10 for o in outs), outs
+        check_bytes(w, before, N, 0, d_tabs)
+        gather = w.workers[0].gather
+        assert gather is not None and gather.gathered >= 2 and gather.direct == 0
+        assert all(c.stager and c.stager.pool._free.qsize() == 2 for c in w.consumers)
+        staged = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+    finally:
+        w.close()
+    w = HeadSplit(staging_bytes=0)  # same seed: same tables, same bytes, pushed direct
+    try:
+        w.load("s")
+        outs = w.wait(2)
+        assert all(o.ok and o.staged_runs == 0 and o.descriptors > 300 for o in outs), outs
+        for got, want in zip(w.d.bufs, staged, strict=True):
+            assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    finally:
+        w.close()
+
+
+def test_rounds_when_the_request_exceeds_a_slot() -> None:
+    """D slots of 16 KiB: the request goes in several rounds, still byte-exact."""
+    w = HeadSplit(staging_bytes=32 << 10)
+    try:
+        before, d_tabs = w.load("r")
+        outs = w.wait(2)
+        assert all(o.ok and o.staged_runs > 300 for o in outs), outs
+        assert all(o.descriptors >= 3 for o in outs), outs  # a span per round: 36 KB, 3 rounds
+        check_bytes(w, before, N, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_p_without_a_free_slot_writes_direct_byte_exact() -> None:
+    w = HeadSplit(push_slots=1)
+    try:
+        gather = w.workers[0].gather
+        assert gather is not None
+        held = gather.pool.take(0.1)  # every P slot busy (a write still running)
+        assert held is not None
+        before, d_tabs = w.load("busy")
+        outs = w.wait(2)
+        assert all(o.ok and o.staged_runs > 300 and o.descriptors > 300 for o in outs)
+        assert gather.gathered == 0 and gather.direct >= 2
+        check_bytes(w, before, N, 0, d_tabs)
+        gather.pool.give_back(held, True)
+        before, d_tabs = w.load("free")
+        assert all(o.ok and o.descriptors < 10 for o in w.wait(2))
+        assert gather.gathered >= 2
+        check_bytes(w, before, N, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_a_stalled_p_holds_ds_slot_until_its_write_ended() -> None:
+    """P's writes to both D ranks stall past the 0.3 s deadline: each D rank holds its
+    failure, and its slot, until P says the write ended; P holds its own slot as long.
+    Resumed, the late bytes land in D's slot only; D's blocks, reused after the report,
+    see none. Then a next request stages byte-exact again."""
+    w = HeadSplit(timeout_s=0.3)
+    try:
+        p = w.workers[0]
+        assert isinstance(p.transport, LoopbackTransport) and p.gather is not None
+        p.transport.stall("d0")
+        p.transport.stall("d1")
+        w.load("late")
+        time.sleep(1.2)
+        assert all(c.poll() == [] and c.fence.held() == 1 for c in w.consumers)
+        assert all(c.stager and c.stager.pool._free.qsize() == 1 for c in w.consumers)
+        assert p.gather.pool._free.qsize() == 0  # both P slots read by stalled writes
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        p.transport.resume("d0")
+        p.transport.resume("d1")
+        outs = w.wait(2, timeout=5)
+        assert all(not o.ok and o.stages["fence"] > 0.8 and o.staged_runs == 0 for o in outs)
+        for got, was in zip(w.d.bufs, before, strict=True):  # landed in the slots only
+            assert all(np.array_equal(a, b) for a, b in zip(got, was, strict=True))
+        assert all(c.stager and c.stager.pool._free.qsize() == 2 for c in w.consumers)
+        assert p.gather.pool._free.qsize() == 2
+        for bufs in w.d.bufs:
+            for b in bufs:
+                b[:] = SCRIBBLE  # the engine reuses the blocks
+        time.sleep(0.2)
+        assert all(bool((b == SCRIBBLE).all()) for bufs in w.d.bufs for b in bufs)
+        before, d_tabs = w.load("after")
+        assert all(o.ok and o.staged_runs > 300 for o in w.wait(2))
+        check_bytes(w, before, N, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_push_staging_off_pushes_direct() -> None:
+    w = HeadSplit()
+    try:
+        for c in w.consumers:
+            c.push_staging = False
+        before, d_tabs = w.load("off")
+        assert all(o.ok and o.staged_runs == 0 and o.descriptors > 300 for o in w.wait(2))
+        check_bytes(w, before, N, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_the_staged_flag_needs_the_new_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag travels; a D of the previous protocol version is refused, typed."""
+    msg = PushRuns("r", b"a", b"", b"", b"", b"n", staged=True)
+    got = unseal(seal(msg, SECRET), SECRET)
+    assert isinstance(got, PushRuns) and got.staged
+    assert messages.PROTOCOL_VERSION == 5
+    monkeypatch.setattr("kvbridge.connector.peers.PROTOCOL_VERSION", 4)
+    w = HeadSplit()
+    try:
+        w.load("old")
+        outs = w.wait(2)
+        assert all(not o.ok and "IncompatibleError" in o.error for o in outs), outs
+    finally:
+        w.close()
+
+
+def test_p_gathers_only_runs_whose_destinations_join() -> None:
+    n = np.full(32, 64, np.int64)
+    joined = spans(np.arange(32, dtype=np.int64)[::-1] * 64 + 4096, n, 1 << 20)
+    assert joined is not None and joined.span_len.tolist() == [2048]
+    assert joined.stage.tolist() == (np.arange(32)[::-1] * 64).tolist()
+    assert spans(np.arange(32, dtype=np.int64) * 128, n, 1 << 20) is None  # gaps: direct
+    assert spans(np.arange(32, dtype=np.int64) * 64, n, 1024) is None  # over a slot
+
+
+def test_gather_refuses_a_source_outside_local_memory() -> None:
+    buf = np.zeros(256, np.uint8)
+    mem = LocalMemory([Region(int(buf.ctypes.data), 256)])
+    one = np.array([1], np.int64)
+    with pytest.raises(TransportError, match="leaves local memory"):
+        mem.gather(one * (int(buf.ctypes.data) + 250), np.zeros(64, np.uint8), one * 0, one * 8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    size=st.sampled_from([1, 8, 24, 64, 1024]),
+    pieces=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(-3, 3), st.integers(-2, 2)),
+        min_size=1,
+        max_size=8,
+    ),
+    seed=st.integers(0, 1000),
+)
+def test_copy_equal_matches_a_loop_on_progressions(size, pieces, seed) -> None:
+    """Runs in arithmetic progressions (strided path) or not (gather-scatter) copy as a
+    plain loop does; destinations disjoint, sources anywhere."""
+    rng = np.random.default_rng(seed)
+    s_off: list[int] = []
+    for count, s_step, _ in pieces:
+        start = int(rng.integers(0, 64)) * size
+        s_off += [max(start + i * s_step * size, 0) for i in range(count)]
+    k = len(s_off)
+    d_slots = np.arange(k, dtype=np.int64)
+    if pieces[0][2] < 0:
+        d_slots = d_slots[::-1].copy()
+    elif pieces[0][2] > 0:
+        d_slots = rng.permutation(d_slots)
+    gap = size * (1 + abs(pieces[0][2]))
+    d_off = d_slots * gap
+    src = rng.integers(0, 256, max(s_off) + size, dtype=np.uint8)
+    dst, want = np.zeros(k * gap, np.uint8), np.zeros(k * gap, np.uint8)
+    s = np.array(s_off, np.int64)
+    copy_equal(dst, d_off, src, s, size)
+    for a, b in zip(d_off.tolist(), s_off, strict=True):
+        want[a : a + size] = src[b : b + size]
+    assert np.array_equal(dst, want)
