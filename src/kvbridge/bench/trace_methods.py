@@ -20,6 +20,7 @@ import numpy as np
 
 from kvbridge.bench.trace_alloc import TraceRequest
 from kvbridge.bench.trace_vllm import VllmLike
+from kvbridge.connector.spans import Regions
 from kvbridge.connector.staging import Chunk, Stager, chunks
 from kvbridge.errors import TransportError
 from kvbridge.plan import Geometry, Plan, Runs
@@ -62,6 +63,8 @@ class DSide:
     """Per spec group: whether it holds state (its table is one slot)."""
     starts: tuple[np.ndarray, np.ndarray]
     """Sorted start addresses of D's and of P's registered regions."""
+    p_regions: Regions
+    """P's registered regions (starts, ends): staged spans read over gaps inside one."""
 
     def tables(self, req: TraceRequest) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(P tables, D tables) per spec group: blocks, or ``[slot]`` for state groups."""
@@ -162,7 +165,9 @@ def staged(ctx: DSide, req: TraceRequest) -> Timed:
     direct: dict[int, Runs] = {}
     for src, r in plan.runs.items():
         try:
-            todo[src] = chunks(r, ctx.stager.pool.slot_bytes)
+            todo[src] = chunks(
+                r, ctx.stager.pool.slot_bytes, ctx.stager.costs.max_gap(), ctx.p_regions
+            )
         except TransportError:
             direct[src] = r
     handles = [

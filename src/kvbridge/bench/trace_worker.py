@@ -22,6 +22,7 @@ from kvbridge.bench import trace_pattern as pat
 from kvbridge.bench.trace_alloc import TraceRequest, simulate
 from kvbridge.bench.trace_methods import METHODS, DSide, contiguous
 from kvbridge.bench.trace_vllm import VllmLike
+from kvbridge.connector.spans import Regions
 from kvbridge.connector.staging import Stager
 from kvbridge.errors import PlanError
 from kvbridge.layout import RankLayout
@@ -166,7 +167,8 @@ class _D:
 
     def auto(self, req: TraceRequest) -> str:
         """What the consumer's cost model would pick for this request."""
-        staged, slot = self.ctx.stager.choose(self.ctx.plan(req).runs)
+        runs = self.ctx.plan(req).runs
+        staged, slot = self.ctx.stager.choose(runs, dict.fromkeys(runs, self.ctx.p_regions))
         if slot is not None:
             self.ctx.stager.pool.give_back(slot, True)
         return "staged" if staged else "direct"
@@ -196,7 +198,10 @@ def _d_setup(p: Connection, case: tc.Case, res: CaseResult) -> tuple[_D, NixlTra
         np.sort(np.array([b for bs in ready.bases for b in bs], np.int64)),
     )
     scratch_at = (ready.scratch, int(scratch.ctypes.data))
-    ctx = DSide(transport, agents, geom, stager, vllm, scratch_at, state, starts)
+    p_regions = _regions(
+        [b for bs in ready.bases for b in bs], [n for lay in p_lays for n in lay.regions]
+    )
+    ctx = DSide(transport, agents, geom, stager, vllm, scratch_at, state, starts, p_regions)
     word = pat.word_bytes([*p_lays, d_lay])
     res.word = word
     return _D(spec, d_lay, regions, scratch, word, ctx, p), transport
@@ -268,3 +273,10 @@ def _failed(s: Sample, res: CaseResult) -> bool:
             f"differ from P's pattern, {s.bad_contig} bytes of the contiguous READ"
         )
     return bool(res.error)
+
+
+def _regions(bases: list[int], sizes: list[int]) -> Regions:
+    """Sorted (starts, ends) of P's registered regions, for staged spans over gaps."""
+    starts, ends = np.array(bases, np.int64), np.array(bases, np.int64) + np.array(sizes)
+    order = np.argsort(starts)
+    return starts[order], ends[order]

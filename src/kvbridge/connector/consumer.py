@@ -216,7 +216,7 @@ class Consumer:
     def _transfer(self, peer: Peer, runs: dict[int, Runs], nbytes: int, job: _Load) -> None:
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
-        staged, slot = self.stager.choose(runs) if self.stager else ({}, None)
+        staged, slot = self.stager.choose(runs, peer.regions) if self.stager else ({}, None)
         handles: list[XferHandle] = []
         try:
             for src, r in runs.items():

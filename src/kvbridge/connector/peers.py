@@ -8,7 +8,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.spans import Regions
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply, rank_layout
 from kvbridge.control.security import Keys
@@ -36,6 +39,8 @@ class Peer:
     probe_addrs: dict[int, int] = field(default_factory=dict)
     keys: Keys | None = None
     """CURVE keys of the side channels (None: derived from ``secret``)."""
+    regions: dict[int, Regions] = field(default_factory=dict)
+    """Per P rank, its registered regions (sorted starts, ends): staged spans stay inside."""
     users: int = 0
     """Loads using this peer now (:meth:`PeerCache.get` … :meth:`PeerCache.done`)."""
     """Per P rank, one address in its registered memory (a liveness probe reads 1 B)."""
@@ -216,6 +221,10 @@ class PeerCache:
             self.timeout_s,
             probe_addrs={i.rank: i.bases[0] for i in reply.ranks if i.bases},
             keys=self.keys,
+            regions={
+                i.rank: _regions(i.bases, lay.regions)
+                for i, lay in zip(reply.ranks, layouts, strict=True)
+            },
         )
 
     def _forget(self, peer: Peer) -> None:
@@ -240,3 +249,9 @@ class PeerCache:
 
 def _sources(geometry: Geometry) -> set[int]:
     return {b.src_rank for g in geometry.groups for b in g.buckets}
+
+
+def _regions(bases: list[int] | tuple[int, ...], sizes: tuple[int, ...]) -> Regions:
+    starts = np.array(bases, np.int64)
+    order = np.argsort(starts, kind="stable")
+    return starts[order], (starts + np.array(sizes, np.int64))[order]

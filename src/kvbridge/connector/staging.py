@@ -25,17 +25,22 @@ import ctypes
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from kvbridge.connector.spans import Chunk, Regions, chunks
 from kvbridge.errors import TransferTimeout, TransportError
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
 
 DESC_COST_S = 2e-6
 """Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
+TRANSFER_S_PER_B = 0.25e-9
+"""Transfer time per byte (~4 GB/s: NIXL between processes here moves 3–6 GB/s): what a
+gap read into a staging span costs."""
+MAX_GAP = 64 << 10
+"""Longest gap a staged span reads over, whatever the per-descriptor cost."""
 ROUND_TRIP_S = 1e-4
 """Fixed cost of one more transfer round (post, wait) per staged chunk."""
 PROGRESSION_S = 3e-6
@@ -140,49 +145,6 @@ def _strided(
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One staged round: READ ``spans`` into the slot, then scatter ``runs`` from it."""
-
-    span_src: np.ndarray
-    span_stage: np.ndarray
-    """Offsets of the spans in the slot."""
-    span_len: np.ndarray
-    run_dst: np.ndarray
-    run_stage: np.ndarray
-    run_len: np.ndarray
-
-
-def chunks(runs: Runs, slot_bytes: int) -> list[Chunk]:
-    """Runs sorted by source, cut into rounds of at most ``slot_bytes`` run bytes; in a
-    round, runs whose source bytes touch or overlap join into one span. Raises if a
-    single run is longer than a slot (the caller sends such requests direct)."""
-    order = np.argsort(runs.src, kind="stable")
-    s, d, ln = runs.src[order], runs.dst[order], runs.length[order]
-    if int(ln.max()) > slot_bytes:
-        raise TransportError(f"a run of {int(ln.max())} B exceeds the {slot_bytes} B slot")
-    total = np.cumsum(ln)
-    out, lo = [], 0
-    while lo < s.shape[0]:
-        before = int(total[lo - 1]) if lo else 0
-        hi = int(np.searchsorted(total, before + slot_bytes, side="right"))
-        out.append(_chunk(s[lo:hi], d[lo:hi], ln[lo:hi]))
-        lo = hi
-    return out
-
-
-def _chunk(s: np.ndarray, d: np.ndarray, ln: np.ndarray) -> Chunk:
-    """One round of runs sorted by source: spans and each run's offset in the slot."""
-    end = np.maximum.accumulate(s + ln)
-    new = np.concatenate(([True], s[1:] > end[:-1]))
-    starts = np.flatnonzero(new)
-    span_id = np.cumsum(new) - 1
-    span_src = s[starts]
-    span_len = np.append(end[starts[1:] - 1], end[-1]) - span_src
-    stage = np.concatenate(([0], np.cumsum(span_len)[:-1]))
-    return Chunk(span_src, stage, span_len, d, stage[span_id] + (s - span_src[span_id]), ln)
-
-
 def _cuts(dd: np.ndarray, ds: np.ndarray) -> np.ndarray:
     """Where the step between consecutive runs changes, on either side."""
     return np.flatnonzero((dd[1:] != dd[:-1]) | (ds[1:] != ds[:-1])) + 1
@@ -214,17 +176,23 @@ class CostModel:
         rounds: int,
         copies: int = 1,
         strides: int | None = None,
+        extra: int = 0,
     ) -> bool:
         """``copies``: local copies of every byte (a staged push: P's gather and D's
         scatter, 2); ``strides``: progressions the copies make (:func:`progressions`),
-        if known: few (one per 8 runs at most) are copied as strided views."""
+        if known: few (one per 8 runs at most) are copied as strided views; ``extra``:
+        bytes the spans move beyond the runs' (the gaps they read over)."""
         direct = runs * self.c_desc
-        staged = spans * self.c_desc + rounds * ROUND_TRIP_S
+        staged = spans * self.c_desc + rounds * ROUND_TRIP_S + max(extra, 0) * TRANSFER_S_PER_B
         if strides is not None and strides * 8 <= runs:
             copy = strides * PROGRESSION_S + nbytes * self.per_byte_strided
         else:
             copy = runs * self.per_run + nbytes * self.per_byte
         return staged + copies * copy < direct
+
+    def max_gap(self) -> int:
+        """The gap whose bytes cost as much to move as one more descriptor."""
+        return min(int(self.c_desc / TRANSFER_S_PER_B), MAX_GAP)
 
     def learn(self, descriptors: int, nbytes: int, seconds: float) -> None:
         """A direct transfer of small runs: what one descriptor cost (moving average)."""
@@ -308,19 +276,25 @@ class Stager:
         self.memory = LocalMemory(regions)
         self.costs = CostModel()
 
-    def choose(self, runs: dict[int, Runs]) -> tuple[dict[int, list[Chunk]], int | None]:
+    def choose(
+        self, runs: dict[int, Runs], regions: dict[int, Regions] | None = None
+    ) -> tuple[dict[int, list[Chunk]], int | None]:
         """Source ranks whose runs go through staging, and the slot they will use;
-        ``({}, None)``: all direct (also when no slot frees up within 10 ms)."""
+        ``({}, None)``: all direct (also when no slot frees up within 10 ms).
+        ``regions``: each source rank's registered regions; spans may then read over
+        gaps of up to :meth:`CostModel.max_gap` bytes inside one region."""
         out = {}
+        gap = self.costs.max_gap() if regions else 0
         for src, r in runs.items():
             if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
                 continue  # few or long runs: direct, without sorting them
             try:
-                chs = chunks(r, self.pool.slot_bytes)
+                chs = chunks(r, self.pool.slot_bytes, gap, (regions or {}).get(src))
             except TransportError:  # a run longer than a slot
                 continue
             spans = sum(c.span_len.shape[0] for c in chs)
-            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs)):
+            extra = sum(c.staged_bytes for c in chs) - r.nbytes  # gaps (less overlaps)
+            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), extra=extra):
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None
         return (out, slot) if slot is not None else ({}, None)
