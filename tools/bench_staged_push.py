@@ -1,8 +1,8 @@
-"""Direct vs staged push over real NIXL between processes: P TP 1 → D TP 2, NHD,
-Llama-3.1-8B shapes (32 layers, 8 KV heads of 128, bf16), blocks of 16 on both sides.
+"""Direct vs staged push (or ``--mode pull``) over real NIXL between processes: P TP 1 →
+D TP 2, NHD, Llama-3.1-8B shapes (32 layers, 8 KV heads of 128, bf16), blocks of 16 on both sides.
 Every token row of K and V splits into a 1 KiB run per D rank: 65,536 runs per D rank
 for 1,024 tokens. Requests alternate direct, staged (A B A B ...); the figure is the
-transfer stage (slowest D rank), medians over the repeats; bytes checked once per mode.
+post + transfer stages (slowest D rank), medians over the repeats; bytes checked once per mode.
 
     UCX_MODULES=^ib NIXL_LOG_LEVEL=WARN .venv/bin/python tools/bench_staged_push.py --repeats 7
 """
@@ -15,6 +15,7 @@ import statistics
 import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ SECRET = b"bench-staged-push"
 
 @dataclass(frozen=True, slots=True)
 class Staging:
-    """D: stage pushes (``Consumer.push_staging``) or not."""
+    """D: let the cost model stage requests (``Consumer.staging``) or not."""
 
     on: bool
 
@@ -44,7 +45,7 @@ def _rank_main(conn: Connection, rs: RankSpec) -> None:
 
     def staging(cmd: Staging) -> None:
         assert worker.consumer is not None
-        worker.consumer.push_staging = cmd.on
+        worker.consumer.staging = cmd.on
 
     worker._handlers[Staging] = staging
     conn.send("ready")
@@ -59,16 +60,22 @@ def _start(role: str, side: SideConfig, spec: ModelSpec, mode: str) -> RankProce
     return RankProcesses(mp.get_context("spawn"), _rank_main, ranks, f"bench-{role}")
 
 
+def _moving(outcome: Any) -> float:
+    """Seconds from posting the first run to the last byte landed (and scattered)."""
+    return float(outcome.stages.get("post", 0.0) + outcome.stages["transfer"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mode", choices=["push", "pull"], default="push")
     args = ap.parse_args()
     model = load_model("llama-3.1-8b").spec
     p_side, d_side = SideConfig(1, 16, "nhd", 80), SideConfig(2, 16, "nhd", 80)
     p_spec, d_spec = p_side.spec(model), d_side.spec(model)
-    p = _start("P", p_side, p_spec, "push")
-    d = _start("D", d_side, d_spec, "push")
+    p = _start("P", p_side, p_spec, args.mode)
+    d = _start("D", d_side, d_spec, args.mode)
     producer = Producer(f"P-{uuid.uuid4().hex[:6]}", p_spec, p_side.parallel, SECRET, 60.0)
     try:
         for info in p.call(Info(), 120):
@@ -92,10 +99,10 @@ def main() -> None:
             if check:
                 assert d.call(Verify(rid, n, 0, d_tabs), 600) == [0, 0], "bytes differ"
             if i >= 2:
-                times[staged].append(max(o.stages["transfer"] for o in outs))
+                times[staged].append(max(_moving(o) for o in outs))
             desc = [o.descriptors for o in outs]
             print(f"{rid} {'staged' if staged else 'direct'}: transfer "
-                  f"{max(o.stages['transfer'] for o in outs) * 1e3:.1f} ms, descriptors {desc}, "
+                  f"{max(_moving(o) for o in outs) * 1e3:.1f} ms, descriptors {desc}, "
                   f"staged runs {[o.staged_runs for o in outs]}", flush=True)  # fmt: skip
             producer.freed()
         direct, staged_ms = statistics.median(times[False]), statistics.median(times[True])

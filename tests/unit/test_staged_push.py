@@ -175,7 +175,7 @@ def test_push_staging_off_pushes_direct() -> None:
     w = HeadSplit()
     try:
         for c in w.consumers:
-            c.push_staging = False
+            c.staging = False
         before, d_tabs = w.load("off")
         assert all(o.ok and o.staged_runs == 0 and o.descriptors > 300 for o in w.wait(2))
         check_bytes(w, before, N, 0, d_tabs)

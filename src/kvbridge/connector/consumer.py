@@ -62,7 +62,7 @@ class Consumer:
         pad_blocks: bool = False,
         staging_bytes: int = 32 << 20,
         keys: Keys | None = None,
-        push_staging: bool = True,
+        staging: bool = True,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
@@ -70,13 +70,14 @@ class Consumer:
         :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls of many small runs, split
         in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`); push
-        mode stages through it too unless ``push_staging`` is False
-        (:mod:`kvbridge.connector.push_staging`).
+        mode stages through it too (:mod:`kvbridge.connector.push_staging`).
+        ``staging``: let the cost model stage a request (False: always direct; may be
+        changed between requests).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``)."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode = transfer_timeout_s, mode
-        self.push_staging = push_staging
+        self.staging = staging
         regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
         self.stager: Stager | None = None
         if staging_bytes >= workers * 4096:
@@ -216,7 +217,9 @@ class Consumer:
     def _transfer(self, peer: Peer, runs: dict[int, Runs], nbytes: int, job: _Load) -> None:
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
-        staged, slot = self.stager.choose(runs, peer.regions) if self.stager else ({}, None)
+        staged, slot = (
+            self.stager.choose(runs, peer.regions) if self.stager and self.staging else ({}, None)
+        )
         handles: list[XferHandle] = []
         try:
             for src, r in runs.items():
@@ -266,7 +269,7 @@ class Consumer:
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
         rid = job.handle.request_id
-        stager = self.stager if self.push_staging else None
+        stager = self.stager if self.staging else None
         staged = choose_push(stager, runs) if stager is not None else None
         if staged is not None:
             job.slot = staged.slot
