@@ -66,6 +66,9 @@ class HeadSplit(World):
             )
             for r in range(2)
         ]
+        for c in self.consumers:  # the choice, not the timing of a loaded machine
+            if c.stager is not None:
+                c.stager.costs.c_desc = 1e-4
 
     def load(self, rid: str, n: int = N) -> tuple[list[list[np.ndarray]], list[list[int]]]:
         before = [[b.copy() for b in bufs] for bufs in self.d.bufs]
@@ -149,7 +152,9 @@ def test_a_stalled_p_holds_ds_slot_until_its_write_ended() -> None:
         time.sleep(1.2)
         assert all(c.poll() == [] and c.fence.held() == 1 for c in w.consumers)
         assert all(c.stager and c.stager.pool._free.qsize() == 1 for c in w.consumers)
-        assert p.gather.pool._free.qsize() == 0  # both P slots read by stalled writes
+        # P serves one push at a time: a D rank whose call timed out while P waited on the
+        # other's write may never have reached P; every push P took holds its slot
+        assert p.gather.pool._free.qsize() <= 1
         before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
         p.transport.resume("d0")
         p.transport.resume("d1")

@@ -30,7 +30,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvbridge.connector.spans import Chunk, Regions, chunks
-from kvbridge.errors import TransferTimeout, TransportError
+from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
 
@@ -289,7 +289,7 @@ class Stager:
             if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
                 continue  # few or long runs: direct, without sorting them
             try:
-                chs = chunks(r, self.pool.slot_bytes, gap, (regions or {}).get(src))
+                chs = chunks(r, self.pool.slot_bytes // 2, gap, (regions or {}).get(src))
             except TransportError:  # a run longer than a slot
                 continue
             spans = sum(c.span_len.shape[0] for c in chs)
@@ -308,33 +308,48 @@ class Stager:
         deadline: float,
         live: list[XferHandle],
     ) -> tuple[int, int]:
-        """READ each chunk's spans into ``slot``, wait (until ``deadline``, monotonic),
-        scatter its runs; ``(descriptors posted, runs moved)``. A READ still running at
-        the deadline is appended to ``live`` and the slot is then not given back: the
-        caller gives it back (:meth:`StagingPool.give_back`) once that READ ended."""
-        view = self.pool.view(slot)
-        base = np.int64(self.pool.region.addr + slot * self.pool.slot_bytes)
-        posted = moved = 0
-        running = False
+        """READ each chunk's spans into one half of ``slot`` while the chunk before is
+        scattered from the other half; ``(descriptors posted, runs moved)``. A READ
+        still running at ``deadline`` (monotonic), or when anything fails, is appended to
+        ``live`` and the slot is then not given back: the caller gives it back
+        (:meth:`StagingPool.give_back`) once those READs ended."""
+        base = self.pool.region.addr + slot * self.pool.slot_bytes
+        half = self.pool.slot_bytes // 2
+        todo = [(src, ch) for src, chs in staged.items() for ch in chs]
+        pending: list[tuple[XferHandle, Chunk, int]] = []
+        counts = [0, 0]
+
+        def land() -> None:  # wait for the oldest READ, then scatter its chunk
+            h, ch, at = pending[0]
+            transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
+            pending.pop(0)
+            self.memory.scatter(ch.run_dst, self.pool.view(slot)[at:], ch.run_stage, ch.run_len)
+            counts[0] += ch.span_len.shape[0]
+            counts[1] += ch.run_len.shape[0]
+
+        clean = False
         try:
-            for src, chs in staged.items():
-                for ch in chs:
-                    h = transport.read(
-                        agents[src],
-                        (ch.span_stage + base).view(np.uint64),
-                        ch.span_src.view(np.uint64),
-                        ch.span_len.view(np.uint64),
-                    )
-                    try:
-                        transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
-                    except TransferTimeout:
-                        live.append(h)
-                        running = True
-                        raise
-                    self.memory.scatter(ch.run_dst, view, ch.run_stage, ch.run_len)
-                    posted += ch.span_len.shape[0]
-                    moved += ch.run_len.shape[0]
+            for i, (src, ch) in enumerate(todo):
+                off = (i % 2) * half
+                pending.append((_read(transport, agents[src], ch, base + off), ch, off))
+                if len(pending) == 2:
+                    land()
+            while pending:
+                land()
+            clean = True
         finally:
-            if not running:
+            still = [h for h, _, _ in pending if not transport.ended(h)]
+            live += still
+            if clean or not still:
                 self.pool.give_back(slot, True)
-        return posted, moved
+        return counts[0], counts[1]
+
+
+def _read(transport: Transport, agent: str, ch: Chunk, at: int) -> XferHandle:
+    """Post the READ of ``ch``'s spans to the slot area starting at address ``at``."""
+    return transport.read(
+        agent,
+        (ch.span_stage + np.int64(at)).view(np.uint64),
+        ch.span_src.view(np.uint64),
+        ch.span_len.view(np.uint64),
+    )
