@@ -56,7 +56,7 @@ class VllmLike:
         self.parts: dict[int, list[_Part]] = {}
         cols: dict[int, list[list[np.ndarray]]] = {}
         for g, gg in enumerate(geom.groups):
-            if gg.np_ != 1 or gg.nd != 1:
+            if gg.p_per_tile != 1 or gg.d_per_tile != 1:
                 raise PlanError(f"group {g}: the vLLM-like path needs equal block sizes")
             for bucket in gg.buckets:
                 pat = bucket.pattern(0, gg.tile)

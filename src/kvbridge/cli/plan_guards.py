@@ -48,7 +48,9 @@ def estimate(
     one = [r.summary.descriptors for r in dry_run(info, p, d, t1, 0, seed)]
     two = [r.summary.descriptors for r in dry_run(info, p, d, t2, 0, seed)] if t2 != t1 else one
     slope = [max(b - a, 0) / (t2 - t1) if t2 > t1 else 0.0 for a, b in zip(one, two, strict=True)]
-    desc = max(int(b + s * (tokens - t2)) + 1 for b, s in zip(two, slope, strict=True))
+    # shuffled ids join by chance where they happen to be consecutive, less often in the
+    # small samples' pools than in a large one: a 10 % margin keeps this a bound
+    desc = max(int((b + s * (tokens - t2)) * 1.1) + 1 for b, s in zip(two, slope, strict=True))
     pool = max(pool_size(info.spec.with_block_sizes(x.block_size), tokens) for x in (p, d))
     return Estimate(desc, FIXED_BYTES + desc * BYTES_PER_DESCRIPTOR + pool * BYTES_PER_BLOCK_ID)
 

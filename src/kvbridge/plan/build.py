@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,9 +18,28 @@ from kvbridge.plan.geometry import (
     rule_key,
     tile_of,
 )
+from kvbridge.plan.joins import (
+    FM,
+    PAIR_LIMIT,
+    Fast,
+    Keys,
+    M,
+    Tab,
+    Triple,
+    addresses,
+    chains,
+    check_written,
+    merge_all,
+    own_chains,
+    realize,
+    streak_runs,
+)
+from kvbridge.plan.links import GroupLimits, Link, RankLinks, rank_links
 from kvbridge.plan.plan import Plan, Use
-from kvbridge.plan.runs import Runs, merge_adjacent
-from kvbridge.spec.model import Kind, Layer, ModelSpec
+from kvbridge.plan.runs import Runs
+from kvbridge.plan.tables import spans as tile_spans_of
+from kvbridge.plan.tables import table
+from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.topology.sources import sources
 
@@ -31,9 +49,9 @@ class GroupGeom:
     tile: int
     bp: int
     bd: int
-    np_: int
+    p_per_tile: int
     """P blocks per tile."""
-    nd: int
+    d_per_tile: int
     """D blocks per tile."""
     p_blocks: int
     d_blocks: int
@@ -42,6 +60,23 @@ class GroupGeom:
     buckets: tuple[Bucket, ...]
     pad: tuple[int, int] | None = None
     """``(bs_P, bs_D)`` where partial blocks may move whole (``pad_blocks``), else None."""
+    mode: int = 0
+    """How its written D ids are keyed (:func:`kvbridge.plan.joins.written_keys`)."""
+
+    @property
+    def limits(self) -> GroupLimits:
+        return GroupLimits(self.p_blocks, self.d_blocks, self.p_per_tile, self.d_per_tile)
+
+
+Checks = tuple[tuple[Fast, ...], tuple[Link, ...], int]
+"""How a source rank's links are told per request: by gap counts, by comparing keys; and
+the group of its only link when that is a streak told by a count (else -1)."""
+ALWAYS: Checks = ((), (), -1)
+"""The source rank's runs are merged on every request."""
+
+Ids = Sequence[int] | np.ndarray
+Job = tuple[int, Bucket, Pattern, int, int]
+"""``(group, bucket, pattern, k_lo, k_hi)``: a pattern applied to tiles ``[k_lo, k_hi)``."""
 
 
 class Geometry:
@@ -121,6 +156,48 @@ class Geometry:
                 )
             )
         self.groups = tuple(groups)
+        self.links = self._links()
+
+    def _links(self) -> dict[int, RankLinks]:
+        """Links per source rank, and how each is told per request (:mod:`.joins`)."""
+        tiles = [gg.tile for gg in self.groups]
+        limits = [gg.limits for gg in self.groups]
+        by_rank: dict[int, list[Bucket]] = {}
+        for gg in self.groups:
+            for b in gg.buckets:
+                by_rank.setdefault(b.src_rank, []).append(b)
+        links = {r: rank_links(bs, tiles, limits) for r, bs in by_rank.items()}
+        big = {gg.pool for gg in self.groups if gg.d_blocks > PAIR_LIMIT or gg.p_blocks >= M // 2}
+        values: dict[int, list[float]] = {}  # per paired pool; first 2³² + 1 (streaks)
+        for ln in (ln for rl in links.values() for ln in rl.links):
+            if _told_by_gap(ln, self.groups, big):
+                vs = values.setdefault(self.groups[ln.g].pool, [FM + 1])
+                vs += [] if FM + ln.dp * ln.dd in vs else [FM + ln.dp * ln.dd]
+        self.values = {gg.pool: tuple(values.get(gg.pool, ())) for gg in self.groups}
+        self.groups = tuple(
+            replace(
+                gg,
+                mode=(1 if gg.p_per_tile == gg.d_per_tile == 1 else 2) if gg.pool in values else 0,
+            )
+            for gg in self.groups
+        )
+        self.per_tile = [(gg.p_per_tile, gg.d_per_tile) for gg in self.groups]
+        self.modes = [gg.mode for gg in self.groups]
+        self.limits = [gg.d_blocks for gg in self.groups]
+        self.checks: dict[int, Checks | None] = {}
+        for r, rl in links.items():
+            fast: list[Fast] = []
+            slow: list[Link] = []
+            for ln in rl.links:
+                if _told_by_gap(ln, self.groups, big):
+                    pool = self.groups[ln.g].pool
+                    fast.append((ln.g, pool, values[pool].index(FM + ln.dp * ln.dd), ln.streak))
+                else:
+                    slow.append(ln)
+            one = fast[0][0] if len(fast) == 1 and not slow and fast[0][2:] == (0, True) else -1
+            chk = (tuple(fast), tuple(slow), one) if fast or slow else None
+            self.checks[r] = ALWAYS if rl.always else chk
+        return links
 
     def plan(
         self,
@@ -133,6 +210,7 @@ class Geometry:
 
         ``p_tables[g]`` / ``d_tables[g]``: block ids of group ``g`` covering tokens
         ``[0, n_tokens)`` (state groups: one slot id). Raises :class:`PlanError`.
+        Every source rank gets the fewest runs that move its bytes.
         """
         if n_tokens < 1 or not 0 <= cached <= n_tokens:
             raise PlanError(f"n_tokens={n_tokens}, cached={cached}: need 0 ≤ cached ≤ n, n ≥ 1")
@@ -141,40 +219,158 @@ class Geometry:
                 f"{len(p_tables)} P and {len(d_tables)} D block tables "
                 f"for {len(self.groups)} groups"
             )
+        if len(self.groups) == 1:
+            return self._plan_one(n_tokens, p_tables[0], d_tables[0], cached)
         uses: list[Use] = []
-        chunks: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        written: dict[int, list[np.ndarray]] = {}
-        limits: dict[int, int] = {}
+        jobs: dict[int, list[Job]] = {}
+        tabs: dict[int, Tab] = {}
+        written: dict[int, list[int]] = {}
         for g, gg in enumerate(self.groups):
-            ptab = _table(p_tables[g], gg.p_blocks, n_tokens, gg.bp, gg.np_, gg.state, "P", g)
-            dtab = _table(d_tables[g], 0, n_tokens, gg.bd, gg.nd, gg.state, "D", g)
-            first = n_tokens
-            for b in gg.buckets:
-                spans = _spans(b.rule, n_tokens, cached, gg.tile)
-                if not spans:
-                    continue
-                if gg.pad is not None:
-                    padded = _spans(b.rule, n_tokens, cached, gg.tile, gg.pad)
-                    spans = padded if _runs(b, padded) <= _runs(b, spans) else spans
-                first = min(first, spans[0][4])
-                out = chunks.setdefault(b.src_rank, [])
-                for k_lo, k_hi, s, t, _ in spans:
-                    pat = b.pattern(s, t)
-                    out.append(_apply(pat, ptab, dtab, k_lo, k_hi, gg.np_, gg.nd))
-                    uses.append((b.src_rank, pat, k_hi - k_lo))
+            ptab = table(p_tables[g], gg.p_blocks, n_tokens, gg.bp, gg.p_per_tile, gg.state, "P", g)
+            dtab = table(d_tables[g], 0, n_tokens, gg.bd, gg.d_per_tile, gg.state, "D", g)
+            first = _jobs(gg, g, n_tokens, cached, jobs, uses)
             if first < n_tokens:
-                lo, hi = (0, 1) if gg.state else (first // gg.bd, -(-n_tokens // gg.bd))
-                written.setdefault(gg.pool, []).append(dtab[lo:hi])
-                limits[gg.pool] = min(limits.get(gg.pool, gg.d_blocks), gg.d_blocks)
-        for pool, ids in written.items():
-            _check_written(ids, pool, limits[pool])
-        runs = {}
-        for src, parts in chunks.items():
-            if len(parts) == 1:
-                runs[src] = Runs(*parts[0])
-            else:
-                runs[src] = Runs(*(np.concatenate(c) for c in zip(*parts, strict=True)))
+                tabs[g] = _tab(gg, ptab, dtab, first, n_tokens)
+                if gg.pool in written:
+                    written[gg.pool].append(g)
+                else:
+                    written[gg.pool] = [g]
+        keys = {}
+        for pool, gs in written.items():
+            limit = min(self.limits[g] for g in gs)
+            keys[pool] = check_written(pool, gs, tabs, self.modes, limit, self.values[pool])
+        runs = {src: self._rank(src, js, tabs, keys) for src, js in jobs.items()}
         return Plan(runs, uses)
+
+    def _plan_one(self, n: int, p_ids: Ids, d_ids: Ids, cached: int) -> Plan:
+        """:meth:`plan` for one group (a dense model): the same steps, less bookkeeping."""
+        gg = self.groups[0]
+        ptab = table(p_ids, gg.p_blocks, n, gg.bp, gg.p_per_tile, gg.state, "P", 0)
+        dtab = table(d_ids, 0, n, gg.bd, gg.d_per_tile, gg.state, "D", 0)
+        jobs: dict[int, list[Job]] = {}
+        uses: list[Use] = []
+        first = _jobs(gg, 0, n, cached, jobs, uses)
+        if first >= n:
+            return Plan({}, uses)
+        tab = _tab(gg, ptab, dtab, first, n)
+        tabs = {0: tab}
+        w = check_written(gg.pool, [0], tabs, self.modes, gg.d_blocks, self.values[gg.pool])
+        keys = {gg.pool: w}
+        if len(jobs) == 1:
+            ((src, js),) = jobs.items()
+            chk = self.checks[src]
+            if len(js) == 1 and (chk is None or (chk[2] >= 0 and not (w and w[2][0]))):
+                _, _, pat, k_lo, k_hi = js[0]  # as it comes: nothing can or does continue
+                return Plan({src: Runs(*_apply(pat, tab, k_lo, k_hi, gg))}, uses)
+            return Plan({src: self._rank(src, js, tabs, keys)}, uses)
+        return Plan({src: self._rank(src, js, tabs, keys) for src, js in jobs.items()}, uses)
+
+    def _rank(
+        self, src: int, jobs: list[Job], tabs: dict[int, Tab], keys: dict[int, Keys | None]
+    ) -> Runs:
+        """One source rank's runs: as they come where nothing can continue or nothing
+        this request's ids realize (the usual case), else :meth:`_joined`."""
+        chk = self.checks[src]
+        if chk is not None:
+            one = chk[2]  # its only link, a streak told by a count, or -1
+            if one < 0 or (one in tabs and (w := keys[chk[0][0][1]]) is not None and w[2][0]):
+                return self._joined(chk, jobs, tabs, keys)
+        if len(jobs) == 1:
+            g, _, pat, k_lo, k_hi = jobs[0]
+            return Runs(*_apply(pat, tabs[g], k_lo, k_hi, self.groups[g]))
+        return Runs(*_applied(jobs, tabs, self.groups))
+
+    def _joined(
+        self, chk: Checks, jobs: list[Job], tabs: dict[int, Tab], keys: dict[int, Keys | None]
+    ) -> Runs:
+        """One source rank's runs, merged where the request's ids realize a link."""
+        if chk is ALWAYS:
+            return merge_all(*_applied(jobs, tabs, self.groups))
+        if chk[2] >= 0:  # its only link, a streak, is realized
+            streak, other = {chk[2]}, False
+        else:
+            streak, other = realize(chk[0], chk[1], keys, tabs, self.per_tile)
+        if not streak:
+            out = _applied(jobs, tabs, self.groups)
+            return merge_all(*out) if other else Runs(*out)
+        parts = []
+        for g, _, pat, k_lo, k_hi in jobs:
+            w = keys[self.groups[g].pool]
+            found = _chains(w, g, tabs[g], k_lo, k_hi) if g in streak and pat.streakable else None
+            if found is None:
+                parts.append(_apply(pat, tabs[g], k_lo, k_hi, self.groups[g]))
+            else:
+                parts.append(streak_runs(pat, *found))
+        out = parts[0] if len(parts) == 1 else _concat(parts)
+        if other or not _sole(jobs, streak):
+            return merge_all(*out)
+        return Runs(*out)
+
+
+def _tab(gg: GroupGeom, ptab: np.ndarray, dtab: np.ndarray, first: int, n: int) -> Tab:
+    if gg.state:
+        return (ptab, dtab, 0, 0, 1)
+    return (ptab, dtab, first // gg.tile, first // gg.bd, -(-n // gg.bd))
+
+
+def _told_by_gap(ln: Link, groups: Sequence[GroupGeom], big: set[int]) -> bool:
+    """A link that a key gap of its pool tells (:func:`.joins.check_written`): both groups
+    one block per side and tile, in one pool, ``dd = ±1``. Between two groups the gap may
+    be two tiles of one: then the rank is merged for nothing, never wrongly."""
+    g, h = groups[ln.g], groups[ln.h]
+    single = g.p_per_tile == g.d_per_tile == h.p_per_tile == h.d_per_tile == 1 and g.pool == h.pool
+    return single and ln.dd in (1, -1) and g.pool not in big
+
+
+def _applied(jobs: list[Job], tabs: dict[int, Tab], groups: Sequence[GroupGeom]) -> Triple:
+    if len(jobs) == 1:
+        g, _, pat, k_lo, k_hi = jobs[0]
+        return _apply(pat, tabs[g], k_lo, k_hi, groups[g])
+    return _concat([_apply(p, tabs[g], lo, hi, groups[g]) for g, _, p, lo, hi in jobs])
+
+
+def _chains(
+    w: Keys | None, g: int, tab: Tab, k_lo: int, k_hi: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Chains of a job's tiles (one block per side): from its pool's sorted keys where
+    they are the job's, else sorted here."""
+    if w is not None and w[1] == [g] and tab[3] == k_lo and tab[4] == k_hi:
+        return chains(w[0], w[3])
+    return own_chains(tab[0][k_lo:k_hi], tab[1][k_lo:k_hi])
+
+
+def _concat(parts: list[Triple]) -> Triple:
+    src, dst, length = zip(*parts, strict=True)
+    return np.concatenate(src), np.concatenate(dst), np.concatenate(length)
+
+
+def _sole(jobs: list[Job], streak: set[int]) -> bool:
+    """Streak joins alone merge everything realized: every job of a streak group is
+    streakable, the only one of its bucket."""
+    mine = [(b, pat) for g, b, pat, _, _ in jobs if g in streak]
+    return all(pat.streakable for _, pat in mine) and len({id(b) for b, _ in mine}) == len(mine)
+
+
+def _jobs(
+    gg: GroupGeom, g: int, n: int, cached: int, jobs: dict[int, list[Job]], uses: list[Use]
+) -> int:
+    """Add group ``g``'s jobs (per source rank) and uses; return its first needed token
+    (``n`` if none)."""
+    first = n
+    for b in gg.buckets:
+        spans = tile_spans_of(b.rule, n, cached, gg.tile)
+        if not spans:
+            continue
+        if gg.pad is not None:
+            padded = tile_spans_of(b.rule, n, cached, gg.tile, gg.pad)
+            spans = padded if _count(b, padded) <= _count(b, spans) else spans
+        first = spans[0][4] if spans[0][4] < first else first
+        out = jobs.setdefault(b.src_rank, [])
+        for k_lo, k_hi, s, t, _ in spans:
+            pat = b.pattern(s, t)
+            out.append((g, b, pat, k_lo, k_hi))
+            uses.append((b.src_rank, pat, k_hi - k_lo))
+    return first
 
 
 def state_or_equal(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> bool:
@@ -182,155 +378,22 @@ def state_or_equal(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> bool:
     return spec_d.is_state_group(g) or (spec_p.groups[g].block_size == spec_d.groups[g].block_size)
 
 
-def _runs(b: Bucket, spans: tuple[tuple[int, ...], ...]) -> int:
-    """Runs ``spans`` take before streak joining (pattern runs × tiles)."""
+def _count(b: Bucket, spans: tuple[tuple[int, ...], ...]) -> int:
+    """Runs ``spans`` take before any merge (pattern runs × tiles)."""
     return sum(b.pattern(s, t).length.shape[0] * (hi - lo) for lo, hi, s, t, _ in spans)
 
 
-@functools.lru_cache(maxsize=4096)
-def _spans(
-    rule: RuleKey, n: int, cached: int, tile: int, pad: tuple[int, int] | None = None
-) -> tuple[tuple[int, ...], ...]:
-    """Tile spans ``(k_lo, k_hi, s, t, first token)`` of a rule's needed token range;
-    with ``pad = (bs_P, bs_D)`` widened to whole blocks (``pad_blocks``)."""
-    kind, window, chunk = rule
-    a, e = Layer(0, Kind(kind), (), window, chunk).needed_tokens(n, cached)
-    if a >= e:
-        return ()
-    if pad is not None:
-        bp, bd = pad
-        e = max(e, min(-(-n // bp) * bp, -(-n // bd) * bd))
-        a = max(cached, a - a % bp, a - a % bd)
-    return tuple((*span, a) for span in _tile_spans(a, e, tile))
-
-
-def _table(
-    ids: Sequence[int] | np.ndarray,
-    limit: int,
-    n: int,
-    bs: int,
-    per_tile: int,
-    state: bool,
-    side: str,
-    g: int,
-) -> np.ndarray:
-    """Block ids as int64, range-checked (if ``limit``) over the entries ``n`` tokens use.
-
-    D's ids are checked where they are written (:func:`_check_written`): only those are
-    ever addressed."""
-    tab = np.asarray(ids, dtype=np.int64)
-    need = 1 if state else -(-n // bs)
-    if tab.ndim != 1 or tab.shape[0] < need:
-        raise PlanError(
-            f"group {g}: {side} table has {tab.shape[0] if tab.ndim == 1 else tab.shape} "
-            f"entries; {n} tokens need {need}"
-        )
-    used = tab[:need]
-    if limit and used.view(np.uint64).max() >= limit:  # negative ids wrap to huge values
-        lo, hi = int(used.min()), int(used.max())
-        raise PlanError(f"group {g}: {side} block ids span [{lo}, {hi}]; valid are [0, {limit})")
-    span = -(-need // per_tile) * per_tile
-    if span > need:  # pad the last tile; padded ids are never addressed by its pattern
-        used = np.concatenate((used, np.zeros(span - need, np.int64)))
-    return used
-
-
-def _tile_spans(a: int, e: int, tile: int) -> list[tuple[int, int, int, int]]:
-    """Split tokens ``[a, e)`` into tile spans ``(k_lo, k_hi, s, t)`` sharing a pattern."""
-    k0, k1 = a // tile, (e - 1) // tile
-    s0, t1 = a - k0 * tile, e - k1 * tile
-    if k0 == k1:
-        return [(k0, k0 + 1, s0, t1)]
-    spans = []
-    lo, hi = k0, k1 + 1
-    if s0:
-        spans.append((k0, k0 + 1, s0, tile))
-        lo = k0 + 1
-    if t1 != tile:
-        hi = k1
-    if hi > lo:
-        spans.append((lo, hi, 0, tile))
-    if t1 != tile:
-        spans.append((k1, k1 + 1, 0, t1))
-    return spans
-
-
-def _apply(
-    pat: Pattern, ptab: np.ndarray, dtab: np.ndarray, k_lo: int, k_hi: int, np_: int, nd: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Addresses of ``pat`` over tiles ``[k_lo, k_hi)``, ordered (run, tile).
-
-    Where the pattern is streakable, tiles whose ids continue on both sides join.
-    """
-    if np_ == 1 and nd == 1:
-        pid, did = ptab[k_lo:k_hi], dtab[k_lo:k_hi]
-        if pat.streakable and _may_continue(pid, did):
-            brk = (pid[1:] != pid[:-1] + 1) | (did[1:] != did[:-1] + 1)
-            if not brk.any():  # one streak: one run per pattern run
-                src = pat.soff + int(pid[0]) * pat.sstr
-                return src, pat.doff + int(did[0]) * pat.dstr, pat.length * pid.shape[0]
-            if not brk.all():
-                return _streaks(pat, pid, did, brk)
+def _apply(pat: Pattern, tab: Tab, k_lo: int, k_hi: int, gg: GroupGeom) -> Triple:
+    """Addresses of ``pat`` over tiles ``[k_lo, k_hi)``, ordered (run, tile)."""
+    pt, dt = gg.p_per_tile, gg.d_per_tile  # blocks per tile
+    if pt == 1 and dt == 1:
+        pid, did = tab[0][k_lo:k_hi], tab[1][k_lo:k_hi]
+        if pat.sstride and pat.dstride:  # one stride per side: ``off + id · stride``
+            src = pat.soff_c + pid * pat.sstride
+            return src.ravel(), (pat.doff_c + did * pat.dstride).ravel(), pat.lengths(k_hi - k_lo)
     else:
-        praw, draw = ptab[k_lo * np_ : k_hi * np_], dtab[k_lo * nd : k_hi * nd]
-        pid = praw.reshape(-1, np_)[:, pat.sbit].T
-        did = draw.reshape(-1, nd)[:, pat.dbit].T
-        if _may_continue(praw, praw) and _may_continue(draw, draw):
-            return _sorted_merge(
-                _addresses(pat.soff_c, pid, 0, pat.sstr_c),
-                _addresses(pat.doff_c, did, 0, pat.dstr_c),
-                pat.lengths(k_hi - k_lo),
-            )
-    src = _addresses(pat.soff_c, pid, pat.sstride, pat.sstr_c)
-    dst = _addresses(pat.doff_c, did, pat.dstride, pat.dstr_c)
+        pid = tab[0][k_lo * pt : k_hi * pt].reshape(-1, pt)[:, pat.p_bit].T
+        did = tab[1][k_lo * dt : k_hi * dt].reshape(-1, dt)[:, pat.d_bit].T
+    src = addresses(pat.soff_c, pid, pat.sstride, pat.sstr_c)
+    dst = addresses(pat.doff_c, did, pat.dstride, pat.dstr_c)
     return src, dst, pat.lengths(k_hi - k_lo)
-
-
-def _sorted_merge(
-    src: np.ndarray, dst: np.ndarray, length: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tiles of several blocks with consecutive ids: runs that continue each other on both
-    sides need not be neighbours in (run, tile) order; order by source, then merge."""
-    order = np.argsort(src, kind="stable")
-    runs = merge_adjacent(src[order], dst[order], length[order])
-    return runs.src, runs.dst, runs.length
-
-
-def _may_continue(pid: np.ndarray, did: np.ndarray) -> bool:
-    """Cheap test whether consecutive ids are worth looking for: a sampled neighbour
-    pair continues on both sides. Only the descriptor count depends on it, never bytes."""
-    n = pid.shape[0]
-    for i in (0, (n - 1) // 2, n - 2) if n > 1 else ():
-        if pid[i + 1] == pid[i] + 1 and did[i + 1] == did[i] + 1:
-            return True
-    return False
-
-
-def _addresses(off_c: np.ndarray, ids: np.ndarray, stride: int, stride_c: np.ndarray) -> np.ndarray:
-    """``off + id · stride`` for every (run, tile), flattened run-major."""
-    if stride and ids.ndim == 1:
-        return (off_c + ids * stride).ravel()
-    return (off_c + ids * stride_c).ravel()
-
-
-def _streaks(
-    pat: Pattern, pid: np.ndarray, did: np.ndarray, brk: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    starts = np.flatnonzero(np.concatenate(([True], brk)))
-    counts = np.diff(np.append(starts, pid.shape[0]))
-    src = _addresses(pat.soff_c, pid[starts], pat.sstride, pat.sstr_c)
-    dst = _addresses(pat.doff_c, did[starts], pat.dstride, pat.dstr_c)
-    return src, dst, (pat.len_c * counts).ravel()
-
-
-def _check_written(ids: list[np.ndarray], pool: int, limit: int) -> None:
-    """D block ids about to be written: in ``[0, limit)`` and each used once per pool."""
-    srt = np.sort(np.concatenate(ids) if len(ids) > 1 else ids[0])
-    if srt[0] < 0 or srt[-1] >= limit:
-        lo, hi = int(srt[0]), int(srt[-1])
-        raise PlanError(f"D block ids span [{lo}, {hi}]; valid are [0, {limit})")
-    if srt.shape[0] > 1:
-        same = srt[1:] == srt[:-1]
-        if np.count_nonzero(same):
-            dup = int(srt[1:][same][0])
-            raise PlanError(f"D block id {dup} is used twice (pool {pool})")

@@ -22,7 +22,7 @@ from kvbridge.layout.view import RankLayout, View
 from kvbridge.spec.model import Kind, Layer, ModelSpec
 from kvbridge.topology.sources import Piece
 
-FIELDS = ("token", "sbit", "soff", "sstr", "dbit", "doff", "dstr", "length", "kind")
+FIELDS = ("token", "p_bit", "soff", "sstr", "d_bit", "doff", "dstr", "length", "kind")
 KIND_CODES = tuple(Kind)
 
 
@@ -41,12 +41,16 @@ class Bound:
 class Pattern:
     """Coalesced runs of one tile restricted to token range ``[s, e)``; arrays of length R."""
 
-    sbit: np.ndarray
+    p_bit: np.ndarray
+    """Per run: which of the tile's P blocks it lies in (0 … P blocks per tile − 1)."""
     soff: np.ndarray
+    """Source address of the run in P block id 0 (region base + offsets)."""
     sstr: np.ndarray
-    dbit: np.ndarray
+    """P block stride of the run's view: its address is ``soff + id · sstr``."""
+    d_bit: np.ndarray
     doff: np.ndarray
     dstr: np.ndarray
+    """The same three on D's side."""
     length: np.ndarray
     nbytes: int
     kind_bytes: dict[Kind, int]
@@ -54,6 +58,7 @@ class Pattern:
     """Every run fills its whole block stride on both sides, one block per side and
     tile: runs of consecutive tiles with consecutive ids on both sides join."""
     soff_c: np.ndarray = field(init=False, repr=False)
+    """``*_c``: the arrays above as columns (shape ``(R, 1)``), to broadcast over tiles."""
     sstr_c: np.ndarray = field(init=False, repr=False)
     doff_c: np.ndarray = field(init=False, repr=False)
     dstr_c: np.ndarray = field(init=False, repr=False)
@@ -132,11 +137,11 @@ def fine_runs(
     if layer.kind is Kind.STATE:
         rows = np.arange(sv.rows, dtype=np.int64)
         token = np.zeros_like(rows)
-        srow, drow, sbit, dbit = rows, rows, token, token
+        srow, drow, p_bit, d_bit = rows, rows, token, token
     else:
         token = np.arange(tile, dtype=np.int64)
-        srow, sbit = token % bp, token // bp
-        drow, dbit = token % bd, token // bd
+        srow, p_bit = token % bp, token // bp
+        drow, d_bit = token % bd, token // bd
     units = np.arange(piece.start, piece.stop, dtype=np.int64)
     su = units - sv.seg_units[seg][0]
     du = units - dv.seg_units[seg][0]
@@ -151,10 +156,10 @@ def fine_runs(
     reps = units.shape[0] * sadd.shape[0]
     return {
         "token": np.repeat(token, reps),
-        "sbit": np.repeat(sbit, reps),
+        "p_bit": np.repeat(p_bit, reps),
         "soff": soff,
         "sstr": np.full(n, sv.block_stride, np.int64),
-        "dbit": np.repeat(dbit, reps),
+        "d_bit": np.repeat(d_bit, reps),
         "doff": doff,
         "dstr": np.full(n, dv.block_stride, np.int64),
         "length": np.full(n, part, np.int64),
@@ -179,9 +184,9 @@ def _part_offsets(sv: View, dv: View, seg: int) -> tuple[np.ndarray, np.ndarray,
 def concat_fine(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Concatenate fine runs and coalesce within each token (keeps the token column)."""
     fine = {k: np.concatenate([p[k] for p in parts]) for k in FIELDS}
-    order = np.lexsort((fine["soff"], fine["sstr"], fine["dstr"], fine["dbit"], fine["sbit"]))
+    order = np.lexsort((fine["soff"], fine["sstr"], fine["dstr"], fine["d_bit"], fine["p_bit"]))
     fine = {k: v[order] for k, v in fine.items()}
-    return _merge_sorted(fine, same=("token", "sbit", "dbit", "sstr", "dstr", "kind"))
+    return _merge_sorted(fine, same=("token", "p_bit", "d_bit", "sstr", "dstr", "kind"))
 
 
 def _merge_sorted(f: dict[str, np.ndarray], same: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -204,17 +209,17 @@ def _coalesce(fine: dict[str, np.ndarray], s: int, e: int, single: bool) -> Patt
     kind_bytes = {
         KIND_CODES[c]: int(f["length"][f["kind"] == c].sum()) for c in np.unique(f["kind"])
     }
-    order = np.lexsort((f["soff"], f["sstr"], f["dstr"], f["dbit"], f["sbit"]))
+    order = np.lexsort((f["soff"], f["sstr"], f["dstr"], f["d_bit"], f["p_bit"]))
     f = {k: v[order] for k, v in f.items()}
-    m = _merge_sorted(f, same=("sbit", "dbit", "sstr", "dstr"))
+    m = _merge_sorted(f, same=("p_bit", "d_bit", "sstr", "dstr"))
     ln = m["length"]
-    streak = bool((m["sbit"] == 0).all() and (m["dbit"] == 0).all() and single)
+    streak = bool((m["p_bit"] == 0).all() and (m["d_bit"] == 0).all() and single)
     streak = streak and bool(((ln == m["sstr"]) & (ln == m["dstr"])).all())
     return Pattern(
-        m["sbit"],
+        m["p_bit"],
         m["soff"],
         m["sstr"],
-        m["dbit"],
+        m["d_bit"],
         m["doff"],
         m["dstr"],
         m["length"],
