@@ -23,10 +23,7 @@ def bound(spec, par, rank, layout, blocks, base):  # type: ignore[no-untyped-def
 def tables(spec, n_tokens, rng, blocks):  # type: ignore[no-untyped-def]
     """One list of block ids per group, in token order (a state group: one slot)."""
     ids = [int(x) for x in rng.permutation(blocks)]
-    return [
-        ids[:1] if spec.is_state_group(g) else ids[: -(-n_tokens // group.block_size)]
-        for g, group in enumerate(spec.groups)
-    ]
+    return [ids[:need] for need in spec.blocks_needed(n_tokens)]
 
 
 def main() -> None:

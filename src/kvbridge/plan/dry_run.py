@@ -70,16 +70,8 @@ def dry_run(
     return out
 
 
-def _needs(spec: ModelSpec, tokens: int) -> list[int]:
-    """Blocks each group needs for ``tokens`` tokens (state groups: one slot)."""
-    return [
-        1 if spec.is_state_group(g) else -(-tokens // grp.block_size)
-        for g, grp in enumerate(spec.groups)
-    ]
-
-
 def pool_size(spec: ModelSpec, tokens: int) -> int:
-    return sum(_needs(spec, tokens))
+    return sum(spec.blocks_needed(tokens))
 
 
 def _tables(
@@ -87,7 +79,7 @@ def _tables(
 ) -> list[np.ndarray]:
     ids = rng.permutation(pool) if shuffle else np.arange(pool)
     out, pos = [], 0
-    for k in _needs(spec, tokens):
+    for k in spec.blocks_needed(tokens):
         out.append(ids[pos : pos + k].astype(np.int64))
         pos += k
     return out

@@ -125,6 +125,13 @@ class ModelSpec:
     def is_state_group(self, g: int) -> bool:
         return self.layers[self.groups[g].layers[0]].kind is Kind.STATE
 
+    def blocks_needed(self, n_tokens: int) -> list[int]:
+        """Blocks each group holds for ``n_tokens`` tokens (a state group: one slot)."""
+        return [
+            1 if self.is_state_group(g) else -(-n_tokens // grp.block_size)
+            for g, grp in enumerate(self.groups)
+        ]
+
     def with_block_sizes(self, sizes: int | Mapping[str, int]) -> ModelSpec:
         """The same spec with other block sizes (state groups keep 1)."""
         groups = []

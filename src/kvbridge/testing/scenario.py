@@ -53,10 +53,7 @@ def random_tables(
 ) -> list[list[int]]:
     """Distinct block ids per pool: all groups drawn from one pool of ``num_blocks``, or,
     given per group name, each group from its own."""
-    need = [
-        1 if spec.is_state_group(g) else -(-n // grp.block_size)
-        for g, grp in enumerate(spec.groups)
-    ]
+    need = spec.blocks_needed(n)
     if not isinstance(num_blocks, int):
         pools = [num_blocks[grp.name] for grp in spec.groups]
         return [_draw(p, k, rng, shuffle) for p, k in zip(pools, need, strict=True)]
