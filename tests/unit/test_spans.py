@@ -5,6 +5,7 @@ split turns one descriptor per token row into one per block."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,3 +72,26 @@ def test_gaps_never_join_across_regions() -> None:
     assert c.span_len.tolist() == [50, 50]  # 950 → 1010 is near, but 1000 starts a region
     (c,) = chunks(runs, 4096, 500, (np.array([0], np.int64), np.array([4096], np.int64)))
     assert c.span_len.tolist() == [160]
+
+
+def test_stager_pulls_only_chunks_of_half_a_slot() -> None:
+    """The next chunk's READ lands in the other half while one is scattered: a chunk
+    longer than half a slot would overwrite bytes not yet scattered, so it is refused
+    before anything is posted, and the slot is given back."""
+    from kvbridge.connector.staging import Stager
+    from kvbridge.transport.base import Region
+    from kvbridge.transport.loopback import Fabric, LoopbackTransport
+
+    mem = np.zeros(1 << 16, np.uint8)
+    stager = Stager([Region(int(mem.ctypes.data), mem.nbytes)], 1, 4096)
+    runs = Runs(
+        np.arange(64, dtype=np.int64) * 64, np.arange(64, dtype=np.int64) * 64, np.full(64, 64)
+    )
+    assert all(c.staged_bytes <= 2048 for c in stager.chunks(runs))
+    too_big = chunks(runs, 4096)
+    slot = stager.pool.take(0.0)
+    assert slot is not None
+    agent = LoopbackTransport("half-slot", Fabric())
+    with pytest.raises(TransportError, match="exceeds half"):
+        stager.pull(agent, {0: "nobody"}, {0: too_big}, slot, 0.0, [])
+    assert stager.pool.take(0.0) == slot

@@ -21,7 +21,7 @@ import numpy as np
 from kvbridge.bench.trace_alloc import TraceRequest
 from kvbridge.bench.trace_vllm import VllmLike
 from kvbridge.connector.spans import Regions
-from kvbridge.connector.staging import Chunk, Stager, chunks
+from kvbridge.connector.staging import Chunk, Stager
 from kvbridge.errors import TransportError
 from kvbridge.plan import Geometry, Plan, Runs
 from kvbridge.transport.base import XferHandle
@@ -165,9 +165,7 @@ def staged(ctx: DSide, req: TraceRequest) -> Timed:
     direct: dict[int, Runs] = {}
     for src, r in plan.runs.items():
         try:
-            todo[src] = chunks(
-                r, ctx.stager.pool.slot_bytes, ctx.stager.costs.max_gap(), ctx.p_regions
-            )
+            todo[src] = ctx.stager.chunks(r, ctx.p_regions)
         except TransportError:
             direct[src] = r
     handles = [

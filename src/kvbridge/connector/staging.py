@@ -284,13 +284,12 @@ class Stager:
         ``regions``: each source rank's registered regions; spans may then read over
         gaps of up to :meth:`CostModel.max_gap` bytes inside one region."""
         out = {}
-        gap = self.costs.max_gap() if regions else 0
         for src, r in runs.items():
             if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
                 continue  # few or long runs: direct, without sorting them
             try:
-                chs = chunks(r, self.pool.slot_bytes // 2, gap, (regions or {}).get(src))
-            except TransportError:  # a run longer than a slot
+                chs = self.chunks(r, (regions or {}).get(src))
+            except TransportError:  # a run longer than half a slot
                 continue
             spans = sum(c.span_len.shape[0] for c in chs)
             extra = sum(c.staged_bytes for c in chs) - r.nbytes  # gaps (less overlaps)
@@ -298,6 +297,12 @@ class Stager:
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None
         return (out, slot) if slot is not None else ({}, None)
+
+    def chunks(self, runs: Runs, regions: Regions | None = None) -> list[Chunk]:
+        """``runs`` in rounds for :meth:`pull`: each fits half a slot (the other half is
+        being scattered meanwhile); spans read over gaps inside ``regions`` if given."""
+        gap = self.costs.max_gap() if regions is not None else 0
+        return chunks(runs, self.pool.slot_bytes // 2, gap, regions)
 
     def pull(
         self,
@@ -316,6 +321,9 @@ class Stager:
         base = self.pool.region.addr + slot * self.pool.slot_bytes
         half = self.pool.slot_bytes // 2
         todo = [(src, ch) for src, chs in staged.items() for ch in chs]
+        if any(ch.staged_bytes > half for _, ch in todo):
+            self.pool.give_back(slot, True)
+            raise TransportError(f"a staged chunk exceeds half the {half * 2} B slot")
         pending: list[tuple[XferHandle, Chunk, int]] = []
         counts = [0, 0]
 
