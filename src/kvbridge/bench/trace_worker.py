@@ -22,7 +22,7 @@ from kvbridge.bench import trace_pattern as pat
 from kvbridge.bench.trace_alloc import TraceRequest, simulate
 from kvbridge.bench.trace_methods import METHODS, DSide, contiguous
 from kvbridge.bench.trace_vllm import VllmLike
-from kvbridge.connector.spans import Regions
+from kvbridge.connector.spans import regions_of
 from kvbridge.connector.staging import Stager
 from kvbridge.errors import PlanError
 from kvbridge.layout import RankLayout
@@ -198,7 +198,7 @@ def _d_setup(p: Connection, case: tc.Case, res: CaseResult) -> tuple[_D, NixlTra
         np.sort(np.array([b for bs in ready.bases for b in bs], np.int64)),
     )
     scratch_at = (ready.scratch, int(scratch.ctypes.data))
-    p_regions = _regions(
+    p_regions = regions_of(
         [b for bs in ready.bases for b in bs], [n for lay in p_lays for n in lay.regions]
     )
     ctx = DSide(transport, agents, geom, stager, vllm, scratch_at, state, starts, p_regions)
@@ -273,10 +273,3 @@ def _failed(s: Sample, res: CaseResult) -> bool:
             f"differ from P's pattern, {s.bad_contig} bytes of the contiguous READ"
         )
     return bool(res.error)
-
-
-def _regions(bases: list[int], sizes: list[int]) -> Regions:
-    """Sorted (starts, ends) of P's registered regions, for staged spans over gaps."""
-    starts, ends = np.array(bases, np.int64), np.array(bases, np.int64) + np.array(sizes)
-    order = np.argsort(starts)
-    return starts[order], ends[order]

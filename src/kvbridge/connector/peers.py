@@ -8,10 +8,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.spans import Regions
+from kvbridge.connector.spans import Regions, regions_of
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply, rank_layout
 from kvbridge.control.security import Keys
@@ -222,7 +220,7 @@ class PeerCache:
             probe_addrs={i.rank: i.bases[0] for i in reply.ranks if i.bases},
             keys=self.keys,
             regions={
-                i.rank: _regions(i.bases, lay.regions)
+                i.rank: regions_of(i.bases, lay.regions)
                 for i, lay in zip(reply.ranks, layouts, strict=True)
             },
         )
@@ -249,9 +247,3 @@ class PeerCache:
 
 def _sources(geometry: Geometry) -> set[int]:
     return {b.src_rank for g in geometry.groups for b in g.buckets}
-
-
-def _regions(bases: list[int] | tuple[int, ...], sizes: tuple[int, ...]) -> Regions:
-    starts = np.array(bases, np.int64)
-    order = np.argsort(starts, kind="stable")
-    return starts[order], (starts + np.array(sizes, np.int64))[order]

@@ -12,6 +12,7 @@ time as ~8 KiB of bandwidth.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,13 @@ from kvbridge.plan.runs import Runs
 
 Regions = tuple[np.ndarray, np.ndarray]
 """Sorted start addresses and end addresses of a source's registered regions."""
+
+
+def regions_of(bases: Sequence[int], sizes: Sequence[int]) -> Regions:
+    """:data:`Regions` of registered regions given by base address and size."""
+    starts = np.array(bases, np.int64)
+    order = np.argsort(starts, kind="stable")
+    return starts[order], (starts + np.array(sizes, np.int64))[order]
 
 
 @dataclass(frozen=True, slots=True)
