@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.connector.consumer import Consumer, Mode
+from kvbridge.connector.copies import LocalMemory, copy_equal
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.connector.push_gather import spans
-from kvbridge.connector.staging import LocalMemory, copy_equal
 from kvbridge.control import messages
 from kvbridge.control.messages import PushRuns, seal, unseal
 from kvbridge.errors import TransportError

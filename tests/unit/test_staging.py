@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector.staging import CostModel, LocalMemory, StagingPool, chunks, copy_equal
+from kvbridge.connector.copies import LocalMemory, copy_equal
+from kvbridge.connector.staging import CostModel, StagingPool, chunks
 from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region
@@ -95,6 +96,42 @@ def test_copy_equal_word_and_byte_paths() -> None:
             assert np.array_equal(dst[a : a + size], src[b : b + size])
 
 
+@st.composite
+def equal_runs(draw: st.DrawFn) -> tuple[int, np.ndarray, np.ndarray]:
+    """Runs of one size as engines make them: blocks of rows (progressions) in any block
+    order on either side, rising or falling, sometimes strided apart, sometimes shuffled
+    row by row; destinations disjoint (they may touch)."""
+    size = draw(st.sampled_from([1, 8, 24, 64, 96, 128]))
+    blocks, rows = draw(st.integers(1, 12)), draw(st.integers(1, 20))
+    d_gap, s_gap = draw(st.sampled_from([0, 8, size])), draw(st.integers(0, 3 * size))
+    d_row, s_row = size + d_gap, size + s_gap
+    d_blk = draw(st.permutations(range(blocks)))
+    s_blk = draw(st.permutations(range(blocks)))
+    r = np.arange(rows, dtype=np.int64)
+    if draw(st.booleans()):
+        r = r[::-1].copy()
+    d = (np.array(d_blk, np.int64)[:, None] * rows * d_row + r[None, :] * d_row).ravel()
+    s = (np.array(s_blk, np.int64)[:, None] * rows * s_row + r[None, :] * s_row).ravel()
+    if draw(st.booleans()):
+        pick = np.array(draw(st.permutations(range(d.shape[0]))), np.int64)
+        d, s = d[pick], s[pick]
+    shift = draw(st.integers(0, 7))
+    return size, d + shift, s + draw(st.integers(0, 7))
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=equal_runs())
+def test_copy_equal_matches_a_run_by_run_copy(case: tuple[int, np.ndarray, np.ndarray]) -> None:
+    size, d_off, s_off = case
+    src = np.random.default_rng(1).integers(0, 256, int(s_off.max()) + size + 5, dtype=np.uint8)
+    got = np.zeros(int(d_off.max()) + size + 3, np.uint8)
+    want = got.copy()
+    for a, b in zip(d_off.tolist(), s_off.tolist(), strict=True):
+        want[a : a + size] = src[b : b + size]
+    copy_equal(got, d_off, src, s_off, size)
+    assert np.array_equal(got, want)
+
+
 def test_pool_quarantines_a_dirty_slot() -> None:
     pool = StagingPool(2, 4096)
     a, b = pool.take(0.1), pool.take(0.1)
@@ -109,3 +146,20 @@ def test_cost_model_stages_many_small_runs_not_few_large() -> None:
     assert m.per_run >= 0 and m.per_byte >= 0
     assert m.staged_wins(runs=12_000, spans=24, nbytes=12_000 * 128, rounds=1)
     assert not m.staged_wins(runs=4, spans=4, nbytes=4 << 20, rounds=1)
+
+
+def test_cost_model_learns_descriptor_and_byte_costs_from_timed_transfers() -> None:
+    m = CostModel()
+    c_desc, c_byte = 5e-6, 1e-10  # a transport at 5 µs per descriptor, 10 GB/s
+    for _ in range(40):
+        m.learn(16_384, 16_384 * 1024, 16_384 * c_desc + 16_384 * 1024 * c_byte)  # 1 KiB runs
+        m.learn(64, 64 << 20, 64 * c_desc + (64 << 20) * c_byte)  # 1 MiB runs
+    assert m.c_desc == pytest.approx(c_desc, rel=0.05)
+    assert m.c_byte == pytest.approx(c_byte, rel=0.05)
+    assert m.max_gap() == int(m.c_desc / m.c_byte)  # 50 KB: a gap cheaper than a descriptor
+    m.learn(16_384, 16_384 * 1024, 600.0)  # one stalled transfer: moves it, within bounds
+    assert m.c_desc <= 0.8 * c_desc * 1.05 + 0.2 * 1e-4
+    before = (m.c_desc, m.c_byte)
+    m.learn(100, 100 << 10, 1.0)  # neither many small runs nor long ones: says nothing
+    m.learn(0, 0, 1.0)
+    assert (m.c_desc, m.c_byte) == before

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.connector.staging import LocalMemory, StagingPool
+from kvbridge.connector.copies import LocalMemory
+from kvbridge.connector.staging import StagingPool
 from kvbridge.transport.base import Region, Transport, XferHandle
 
 MIN_RUNS = 16

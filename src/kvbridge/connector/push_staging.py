@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.connector.copies import progressions
 from kvbridge.connector.peers import Peer
-from kvbridge.connector.staging import Chunk, Stager, chunks, progressions
+from kvbridge.connector.staging import Chunk, Stager, chunks
 from kvbridge.control.messages import PushReply, PushRuns
 from kvbridge.errors import PeerError, TransportError
 from kvbridge.plan.runs import Runs

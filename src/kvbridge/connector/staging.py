@@ -21,14 +21,13 @@ is learned from the direct transfers it times.
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 import time
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
+from kvbridge.connector.copies import LocalMemory, copy_equal
 from kvbridge.connector.spans import Chunk, Regions, chunks
 from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
@@ -37,133 +36,30 @@ from kvbridge.transport.base import Region, Transport, XferHandle
 DESC_COST_S = 2e-6
 """Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
 TRANSFER_S_PER_B = 0.25e-9
-"""Transfer time per byte (~4 GB/s: NIXL between processes here moves 3–6 GB/s): what a
-gap read into a staging span costs."""
+"""Initial transfer time per byte (~4 GB/s: NIXL between processes here moves 3–14 GB/s
+by run size and load); learned after: what a gap read into a staging span costs."""
 MAX_GAP = 64 << 10
 """Longest gap a staged span reads over, whatever the per-descriptor cost."""
+MIN_DESC_S, MAX_DESC_S = 1e-7, 1e-4
+MIN_BYTE_S, MAX_BYTE_S = 1e-11, 1e-8
+"""What one learned sample may say (100 GB/s to 100 MB/s per byte): one stalled or
+one lucky transfer moves the estimate, it cannot throw it out."""
 ROUND_TRIP_S = 1e-4
 """Fixed cost of one more transfer round (post, wait) per staged chunk."""
 PROGRESSION_S = 3e-6
 """Cost of one strided copy (a progression of runs) besides its bytes."""
 
 
-class LocalMemory:
-    """Writable numpy views of local regions, addressed by absolute address."""
-
-    def __init__(self, regions: list[Region]):
-        order = sorted(regions, key=lambda r: r.addr)
-        self.bases = np.array([r.addr for r in order], dtype=np.int64)
-        self.ends = self.bases + np.array([r.nbytes for r in order], dtype=np.int64)
-        self.views = [
-            np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr)) for r in order
-        ]
-
-    def scatter(
-        self, dst: np.ndarray, src: np.ndarray, src_off: np.ndarray, length: np.ndarray
-    ) -> None:
-        """Copy ``src[src_off[i] : src_off[i] + length[i]]`` to absolute address ``dst[i]``
-        (each destination inside one region, checked)."""
-        reg = np.searchsorted(self.bases, dst, side="right") - 1
-        if (reg < 0).any() or (dst + length > self.ends[np.maximum(reg, 0)]).any():
-            raise TransportError("staged scatter: a destination run leaves local memory")
-        for r in np.unique(reg):
-            m = reg == r
-            d_off, s_off, ln = dst[m] - self.bases[r], src_off[m], length[m]
-            for size in np.unique(ln):
-                k = ln == size
-                copy_equal(self.views[r], d_off[k], src, s_off[k], int(size))
-
-    def gather(
-        self, src: np.ndarray, dst: np.ndarray, dst_off: np.ndarray, length: np.ndarray
-    ) -> None:
-        """Copy absolute address ``src[i]`` (``length[i]`` bytes, inside one region,
-        checked) to ``dst[dst_off[i] : dst_off[i] + length[i]]``: :meth:`scatter` reversed."""
-        reg = np.searchsorted(self.bases, src, side="right") - 1
-        if (reg < 0).any() or (src + length > self.ends[np.maximum(reg, 0)]).any():
-            raise TransportError("staged gather: a source run leaves local memory")
-        for r in np.unique(reg):
-            m = reg == r
-            s_off, d_off, ln = src[m] - self.bases[r], dst_off[m], length[m]
-            for size in np.unique(ln):
-                k = ln == size
-                copy_equal(dst, d_off[k], self.views[r], s_off[k], int(size))
-
-
-def copy_equal(
-    dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
-) -> None:
-    """``dv[d_off[i] : +size] = sv[s_off[i] : +size]`` for all i (uint8 arrays)."""
-    if d_off.shape[0] == 0:
-        return
-    _inside(dv, d_off, size)
-    _inside(sv, s_off, size)
-    if d_off.shape[0] <= 16 or size >= 1 << 16:  # few or long runs: slices
-        for a, b in zip(d_off.tolist(), s_off.tolist(), strict=True):
-            dv[a : a + size] = sv[b : b + size]
-        return
-    if _strided(dv, d_off, sv, s_off, size):
-        return
-    w = 8
-    while w > 1 and (size % w or (d_off % w).any() or (s_off % w).any()):
-        w //= 2
-    dt = np.dtype(f"u{w}") if w > 1 else np.dtype(np.uint8)
-    dw, sw = dv.view(dt) if w > 1 else dv, sv.view(dt) if w > 1 else sv
-    step = np.arange(size // w, dtype=np.int64)
-    dw[(d_off // w)[:, None] + step] = sw[(s_off // w)[:, None] + step]
-
-
-def _inside(v: np.ndarray, off: np.ndarray, size: int) -> None:
-    if int(off.min()) < 0 or int(off.max()) + size > v.shape[0]:
-        raise TransportError(f"copy of {size} B runs outside a {v.shape[0]} B buffer")
-
-
-def _strided(
-    dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
-) -> bool:
-    """Copy runs that form arithmetic progressions on both sides (a block's rows, sorted)
-    as 2-D strided views, at memcpy speed; False (nothing copied) if the runs form too
-    many progressions (then the caller's gather-scatter is cheaper)."""
-    n = d_off.shape[0]
-    dd, ds = np.diff(d_off), np.diff(s_off)
-    cut = _cuts(dd, ds)
-    if cut.shape[0] * 8 > n:
-        return False
-    ends = np.append(cut, n - 1).tolist()  # progression k: diffs [cut[k-1], ends[k])
-    d_l, s_l, dd_l, ds_l = d_off.tolist(), s_off.tolist(), dd.tolist(), ds.tolist()
-    i = 0
-    for end in ends:
-        if i > end:
-            continue
-        m = end - i + 1 if i < end else 1
-        if m == 1 or abs(dd_l[i]) < size:  # one run, or destinations that overlap
-            for a, b in zip(d_l[i : i + m], s_l[i : i + m], strict=True):
-                dv[a : a + size] = sv[b : b + size]
-        else:
-            rows = as_strided(dv[d_l[i] :], (m, size), (dd_l[i], 1))
-            rows[...] = as_strided(sv[s_l[i] :], (m, size), (ds_l[i], 1))
-        i += m
-    return True
-
-
-def _cuts(dd: np.ndarray, ds: np.ndarray) -> np.ndarray:
-    """Where the step between consecutive runs changes, on either side."""
-    return np.flatnonzero((dd[1:] != dd[:-1]) | (ds[1:] != ds[:-1])) + 1
-
-
-def progressions(d_off: np.ndarray, s_off: np.ndarray) -> int:
-    """About how many strided copies :func:`copy_equal` makes of these runs (in order)."""
-    if d_off.shape[0] < 3:
-        return int(d_off.shape[0])
-    return int(_cuts(np.diff(d_off), np.diff(s_off)).shape[0]) + 1
-
-
 class CostModel:
     """Direct: ``runs · c_desc``. Staged: ``spans · c_desc + rounds · round trip +
-    scatter(runs, bytes)``; the scatter's per-run and per-byte costs are measured at
-    start-up, ``c_desc`` from the direct transfers the consumer timed."""
+    gap bytes · c_byte + scatter(runs, bytes)``; the scatter's per-run and per-byte
+    costs are measured at start-up; ``c_desc`` (per descriptor) and ``c_byte`` (per
+    byte moved) are learned from the direct transfers the consumer times: small runs
+    tell ``c_desc``, long ones ``c_byte``."""
 
     def __init__(self) -> None:
         self.c_desc = DESC_COST_S
+        self.c_byte = TRANSFER_S_PER_B
         self.per_run, self.per_byte = _measure_scatter()
         self.per_byte_strided = _measure_strided()
         self._lock = threading.Lock()
@@ -183,7 +79,7 @@ class CostModel:
         if known: few (one per 8 runs at most) are copied as strided views; ``extra``:
         bytes the spans move beyond the runs' (the gaps they read over)."""
         direct = runs * self.c_desc
-        staged = spans * self.c_desc + rounds * ROUND_TRIP_S + max(extra, 0) * TRANSFER_S_PER_B
+        staged = spans * self.c_desc + rounds * ROUND_TRIP_S + max(extra, 0) * self.c_byte
         if strides is not None and strides * 8 <= runs:
             copy = strides * PROGRESSION_S + nbytes * self.per_byte_strided
         else:
@@ -192,14 +88,21 @@ class CostModel:
 
     def max_gap(self) -> int:
         """The gap whose bytes cost as much to move as one more descriptor."""
-        return min(int(self.c_desc / TRANSFER_S_PER_B), MAX_GAP)
+        return min(int(self.c_desc / self.c_byte), MAX_GAP)
 
     def learn(self, descriptors: int, nbytes: int, seconds: float) -> None:
-        """A direct transfer of small runs: what one descriptor cost (moving average)."""
-        if descriptors < 256 or nbytes > descriptors * 4096:
-            return  # bandwidth-bound: says little about the descriptor cost
+        """A timed direct transfer: small runs (≤ 4 KiB on average, 256 or more) tell
+        what one descriptor costs, long ones (≥ 64 KiB on average, 1 MiB or more) what
+        one byte costs; each net of the other's current estimate, moving averages."""
+        if descriptors <= 0 or seconds <= 0:
+            return
         with self._lock:
-            self.c_desc = 0.8 * self.c_desc + 0.2 * (seconds / descriptors)
+            if descriptors >= 256 and nbytes <= descriptors * 4096:
+                per = (seconds - nbytes * self.c_byte) / descriptors
+                self.c_desc = 0.8 * self.c_desc + 0.2 * min(max(per, MIN_DESC_S), MAX_DESC_S)
+            elif nbytes >= 1 << 20 and nbytes >= descriptors * (64 << 10):
+                per = (seconds - descriptors * self.c_desc) / nbytes
+                self.c_byte = 0.8 * self.c_byte + 0.2 * min(max(per, MIN_BYTE_S), MAX_BYTE_S)
 
 
 def _measure_scatter() -> tuple[float, float]:
