@@ -132,6 +132,37 @@ def test_copy_equal_matches_a_run_by_run_copy(case: tuple[int, np.ndarray, np.nd
     assert np.array_equal(got, want)
 
 
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bufs = [np.zeros(int(rng.integers(64, 2048)), np.uint8) for _ in range(3)]
+    mem = LocalMemory([Region(int(b.ctypes.data), b.nbytes) for b in bufs])
+    dst, length, pos = [], [], [0, 0, 0]
+    for _ in range(int(rng.integers(1, 80))):  # disjoint runs, region and length at random
+        r, n = int(rng.integers(0, 3)), int(rng.choice([4, 8, 24, 64]))
+        pos[r] += int(rng.integers(0, 16))
+        if pos[r] + n > bufs[r].nbytes:
+            continue
+        dst.append(int(bufs[r].ctypes.data) + pos[r])
+        length.append(n)
+        pos[r] += n
+    if not dst:
+        return
+    pick = rng.permutation(len(dst))
+    d, ln = np.array(dst, np.int64)[pick], np.array(length, np.int64)[pick]
+    stage = rng.integers(0, 256, int(ln.sum()) + 8, dtype=np.uint8)
+    off = np.concatenate(([0], np.cumsum(ln)[:-1]))
+    mem.scatter(d, stage, off, ln)
+    back = np.zeros_like(stage)
+    mem.gather(d, back, off, ln)  # the same runs read back
+    for a, o, n in zip(d.tolist(), off.tolist(), ln.tolist(), strict=True):
+        r = next(i for i, b in enumerate(bufs) if b.ctypes.data <= a < b.ctypes.data + b.nbytes)
+        at = a - int(bufs[r].ctypes.data)
+        assert np.array_equal(bufs[r][at : at + n], stage[o : o + n])
+    assert np.array_equal(back[: int(ln.sum())], stage[: int(ln.sum())])
+
+
 def test_pool_quarantines_a_dirty_slot() -> None:
     pool = StagingPool(2, 4096)
     a, b = pool.take(0.1), pool.take(0.1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import itertools
 
 import numpy as np
 
@@ -38,30 +39,41 @@ class LocalMemory:
     ) -> None:
         """Copy ``src[src_off[i] : src_off[i] + length[i]]`` to absolute address ``dst[i]``
         (each destination inside one region, checked)."""
-        reg = np.searchsorted(self.bases, dst, side="right") - 1
-        if (reg < 0).any() or (dst + length > self.ends[np.maximum(reg, 0)]).any():
-            raise TransportError("staged scatter: a destination run leaves local memory")
-        for r in np.unique(reg):
-            m = reg == r
-            d_off, s_off, ln = dst[m] - self.bases[r], src_off[m], length[m]
-            for size in np.unique(ln):
-                k = ln == size
-                copy_equal(self.views[r], d_off[k], src, s_off[k], int(size))
+        for r, k, size in self._groups(dst, length, "scatter"):
+            copy_equal(self.views[r], dst[k] - self.bases[r], src, src_off[k], size)
 
     def gather(
         self, src: np.ndarray, dst: np.ndarray, dst_off: np.ndarray, length: np.ndarray
     ) -> None:
         """Copy absolute address ``src[i]`` (``length[i]`` bytes, inside one region,
         checked) to ``dst[dst_off[i] : dst_off[i] + length[i]]``: :meth:`scatter` reversed."""
-        reg = np.searchsorted(self.bases, src, side="right") - 1
-        if (reg < 0).any() or (src + length > self.ends[np.maximum(reg, 0)]).any():
-            raise TransportError("staged gather: a source run leaves local memory")
-        for r in np.unique(reg):
-            m = reg == r
-            s_off, d_off, ln = src[m] - self.bases[r], dst_off[m], length[m]
-            for size in np.unique(ln):
-                k = ln == size
-                copy_equal(dst, d_off[k], self.views[r], s_off[k], int(size))
+        for r, k, size in self._groups(src, length, "gather"):
+            copy_equal(dst, dst_off[k], self.views[r], src[k] - self.bases[r], size)
+
+    def _groups(
+        self, addr: np.ndarray, length: np.ndarray, what: str
+    ) -> list[tuple[int, np.ndarray | slice, int]]:
+        """The runs per (region, length), each group in the order given: ``(region,
+        indices or a slice of them, length)``; TransportError if a run leaves its region."""
+        reg = np.searchsorted(self.bases, addr, side="right") - 1
+        if (reg < 0).any() or (addr + length > self.ends[np.maximum(reg, 0)]).any():
+            raise TransportError(f"staged {what}: a run leaves local memory")
+        if reg.shape[0] == 0:
+            return []
+        # one key per (region, length): lengths below 2⁴⁰ B, regions below 2²³
+        key = (reg << 40) | length.astype(np.int64, copy=False)
+        if key.shape[0] == 1 or bool((key[1:] >= key[:-1]).all()):
+            order: np.ndarray | None = None  # grouped already (one region and length: often)
+        else:
+            order = np.argsort(key, kind="stable")
+            key = key[order]
+        cut = np.flatnonzero(key[1:] != key[:-1]) + 1
+        bounds = [0, *cut.tolist(), int(key.shape[0])]
+        out: list[tuple[int, np.ndarray | slice, int]] = []
+        for lo, hi in itertools.pairwise(bounds):
+            k: np.ndarray | slice = slice(lo, hi) if order is None else order[lo:hi]
+            out.append((int(key[lo] >> 40), k, int(key[lo] & ((1 << 40) - 1))))
+        return out
 
 
 def copy_equal(

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.connector.copies import progressions
 from kvbridge.connector.peers import Peer
-from kvbridge.connector.staging import Chunk, Stager, chunks
+from kvbridge.connector.staging import Chunk, Stager
 from kvbridge.control.messages import PushReply, PushRuns
-from kvbridge.errors import PeerError, TransportError
+from kvbridge.errors import PeerError
 from kvbridge.plan.runs import Runs
 
 
@@ -48,29 +47,12 @@ class StagedPush:
 
 
 def choose_push(stager: Stager, runs: dict[int, Runs]) -> StagedPush | None:
-    """The P ranks whose runs the cost model stages (a copy on each side, one span per
-    round), and a slot; None: all direct (also when no slot frees up within 10 ms)."""
-    slot_bytes = stager.pool.slot_bytes
-    staged: dict[int, list[Chunk]] = {}
-    for src, r in runs.items():
-        if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
-            continue  # few or long runs: direct
-        try:
-            chs = chunks(r, slot_bytes)
-        except TransportError:  # a run longer than a slot
-            continue
-        strides = sum(_strides(c) for c in chs)
-        if stager.costs.staged_wins(len(r), len(chs), r.nbytes, len(chs), 2, strides):
-            staged[src] = chs
-    slot = stager.pool.take(0.01) if staged else None
+    """The P ranks whose runs the cost model stages (:meth:`Stager.choose` with
+    ``push``), and a slot; None: all direct (also when no slot frees up within 10 ms)."""
+    staged, slot = stager.choose(runs, push=True)
     if slot is None:
         return None
-    return StagedPush(slot, _rounds(staged, slot_bytes), frozenset(staged))
-
-
-def _strides(c: Chunk) -> int:
-    """Strided copies of P's gather (sources → slot) or D's scatter, the more of them."""
-    return max(progressions(c.span_stage, c.span_src), progressions(c.run_dst, c.run_stage))
+    return StagedPush(slot, _rounds(staged, stager.pool.slot_bytes), frozenset(staged))
 
 
 def _rounds(staged: dict[int, list[Chunk]], slot_bytes: int) -> list[list[Part]]:

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from kvbridge.connector.copies import LocalMemory, copy_equal
+from kvbridge.connector.copies import LocalMemory, copy_equal, progressions
 from kvbridge.connector.spans import Chunk, Regions, chunks
 from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
@@ -180,23 +180,31 @@ class Stager:
         self.costs = CostModel()
 
     def choose(
-        self, runs: dict[int, Runs], regions: dict[int, Regions] | None = None
+        self, runs: dict[int, Runs], regions: dict[int, Regions] | None = None, push: bool = False
     ) -> tuple[dict[int, list[Chunk]], int | None]:
         """Source ranks whose runs go through staging, and the slot they will use;
         ``({}, None)``: all direct (also when no slot frees up within 10 ms).
-        ``regions``: each source rank's registered regions; spans may then read over
-        gaps of up to :meth:`CostModel.max_gap` bytes inside one region."""
+        Pull (:meth:`pull`): chunks of half a slot, one copy (D's scatter); ``regions``:
+        each source rank's registered regions, spans may then read over gaps of up to
+        :meth:`CostModel.max_gap` bytes inside one region. ``push``
+        (:mod:`kvbridge.connector.push_staging`): chunks of a whole slot, each written as
+        one span, two copies (P's gather, D's scatter)."""
         out = {}
         for src, r in runs.items():
             if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
                 continue  # few or long runs: direct, without sorting them
             try:
-                chs = self.chunks(r, (regions or {}).get(src))
-            except TransportError:  # a run longer than half a slot
+                if push:
+                    chs = chunks(r, self.pool.slot_bytes)
+                else:
+                    chs = self.chunks(r, (regions or {}).get(src))
+            except TransportError:  # a run longer than the chunk
                 continue
-            spans = sum(c.span_len.shape[0] for c in chs)
-            extra = sum(c.staged_bytes for c in chs) - r.nbytes  # gaps (less overlaps)
-            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), extra=extra):
+            spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
+            extra = 0 if push else sum(c.staged_bytes for c in chs) - r.nbytes  # gaps
+            strides = sum(_strides(c, push) for c in chs)
+            copies = 2 if push else 1
+            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), copies, strides, extra):
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None
         return (out, slot) if slot is not None else ({}, None)
@@ -264,3 +272,9 @@ def _read(transport: Transport, agent: str, ch: Chunk, at: int) -> XferHandle:
         ch.span_src.view(np.uint64),
         ch.span_len.view(np.uint64),
     )
+
+
+def _strides(c: Chunk, push: bool) -> int:
+    """Strided copies the chunk's scatter makes (and, pushed, P's gather: the more)."""
+    scatter = progressions(c.run_dst, c.run_stage)
+    return max(progressions(c.span_stage, c.span_src), scatter) if push else scatter
