@@ -126,13 +126,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="one JSON object per case and strategy")
     ap.add_argument("--pool-mib", type=int, default=None, help="cache memory per instance")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    rows = run_all(
-        args.quick,
-        lambda line: print(line, file=sys.stderr, flush=True),
-        cases(args.quick, args.pool_mib),
+    ap.add_argument(
+        "--only",
+        metavar="TEXT",
+        help="the case labelled TEXT, else those whose label contains it "
+        "(e.g. 'llama-3.1-8b TP 1→2 nhd', '1→1 block-major', 'jamba')",
     )
+    ap.add_argument(
+        "--requests", type=int, default=None, help="requests measured per case (default 12)"
+    )
+    args = ap.parse_args(argv)
+    todo = cases(args.quick, args.pool_mib)
+    if args.only:
+        exact = [c for c in todo if c.label() == args.only]
+        todo = exact or [c for c in todo if args.only in c.label()]
+        if not todo:
+            ap.error(f"no case label contains {args.only!r}")
+    if args.requests:  # more requests: a longer budget too (about 1 s each)
+        todo = [
+            replace(c, requests=args.requests, budget_s=max(c.budget_s, args.requests))
+            for c in todo
+        ]
+    t0 = time.perf_counter()
+    rows = run_all(args.quick, lambda line: print(line, file=sys.stderr, flush=True), todo)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
