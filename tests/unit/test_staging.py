@@ -98,25 +98,34 @@ def test_copy_equal_word_and_byte_paths() -> None:
 
 @st.composite
 def equal_runs(draw: st.DrawFn) -> tuple[int, np.ndarray, np.ndarray]:
-    """Runs of one size as engines make them: blocks of rows (progressions) in any block
-    order on either side, rising or falling, sometimes strided apart, sometimes shuffled
-    row by row; destinations disjoint (they may touch)."""
+    """Runs of one size as engines make them: blocks of rows, each row cut into
+    ``heads`` runs (heads within a row on the source, NHD; head-major on the
+    destination, HND, when there are several), blocks in any order on either side, rows
+    rising or falling, sometimes strided apart, sometimes shuffled run by run;
+    destinations disjoint (they may touch)."""
     size = draw(st.sampled_from([1, 8, 24, 64, 96, 128]))
     blocks, rows = draw(st.integers(1, 12)), draw(st.integers(1, 20))
+    heads = draw(st.sampled_from([1, 1, 2, 3, 4]))
     d_gap, s_gap = draw(st.sampled_from([0, 8, size])), draw(st.integers(0, 3 * size))
-    d_row, s_row = size + d_gap, size + s_gap
-    d_blk = draw(st.permutations(range(blocks)))
-    s_blk = draw(st.permutations(range(blocks)))
+    s_row = heads * size + s_gap  # source: row r, head h at r·s_row + h·size
+    d_head = rows * (size + d_gap)  # destination: head h, row r at h·d_head + r·(size+gap)
+    s_blk, d_blk = rows * s_row, heads * d_head
+    d_ids = np.array(draw(st.permutations(range(blocks))), np.int64)
+    s_ids = np.array(draw(st.permutations(range(blocks))), np.int64)
     r = np.arange(rows, dtype=np.int64)
     if draw(st.booleans()):
         r = r[::-1].copy()
-    d = (np.array(d_blk, np.int64)[:, None] * rows * d_row + r[None, :] * d_row).ravel()
-    s = (np.array(s_blk, np.int64)[:, None] * rows * s_row + r[None, :] * s_row).ravel()
+    h = np.arange(heads, dtype=np.int64)
+    if draw(st.booleans()):
+        h = h[::-1].copy()
+    d = d_ids[:, None, None] * d_blk + r[None, :, None] * (size + d_gap) + h * d_head
+    s = s_ids[:, None, None] * s_blk + r[None, :, None] * s_row + h * size
+    drop = draw(st.integers(0, heads - 1))  # a last row cut short
+    d, s = d.ravel()[: d.size - drop], s.ravel()[: s.size - drop]
     if draw(st.booleans()):
         pick = np.array(draw(st.permutations(range(d.shape[0]))), np.int64)
         d, s = d[pick], s[pick]
-    shift = draw(st.integers(0, 7))
-    return size, d + shift, s + draw(st.integers(0, 7))
+    return size, d + draw(st.integers(0, 7)), s + draw(st.integers(0, 7))
 
 
 @settings(max_examples=300, deadline=None)
