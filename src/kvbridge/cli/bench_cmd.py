@@ -1,7 +1,7 @@
-"""``kvbridge bench plan|transfer|trace|vllm [--quick] [--calls N] [--json] [--plot FILE.png]``:
-benchmarks that print figures. One progress line per finished case goes to stderr; the
-table (or, with ``--json``, one JSON list) to stdout at the end; ``--plot`` (plan,
-transfer) also draws them into a PNG (``kvbridge.bench.plot``)."""
+"""``kvbridge bench plan|transfer|trace|vllm [--quick] [--calls N] [--json] [--plot FILE.png]``
+(``vllm`` also ``--trace``): benchmarks that print figures. One progress line per finished
+case goes to stderr; the table (or, with ``--json``, one JSON list) to stdout at the end;
+``--plot`` (plan, transfer) also draws them into a PNG (``kvbridge.bench.plot``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,14 @@ def register(sub: Any) -> None:
         action="store_true",
         help="smaller, faster run: plan leaves out the 32k-token cases and times 50 calls; "
         "transfer runs 1024 tokens only; trace runs three cases of four requests; vllm runs the "
-        "three llama block-size cases",
+        "three llama block-size cases (with --trace: llama 128->128 and granite)",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="vllm only: engines with small block pools, churned by a seeded warm-up so "
+        "block ids are fragmented on P and D as in a busy engine; adds block-run figures "
+        "(kvbridge.integrations.vllm.bench_trace)",
     )
     p.add_argument(
         "--plot",
@@ -49,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         _check_plot(args.what, args.plot)
+    if args.trace and args.what != "vllm":
+        from kvbridge.errors import ConfigError
+
+        raise ConfigError(f"--trace: bench {args.what} has no trace mode; --trace works with vllm")
     if args.what == "trace":
         return _trace(args)
     if args.what == "plan":
@@ -56,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
 
         calls = args.calls or (QUICK_CALLS if args.quick else 300)
         rows = as_dicts(cases(calls, quick=args.quick, progress=say))
+    elif args.what == "vllm" and args.trace:
+        from kvbridge.integrations.vllm.bench_trace import run_trace
+
+        rows = run_trace(quick=args.quick, calls=args.calls, progress=say)
     elif args.what == "vllm":
         from kvbridge.integrations.vllm.bench import run_all as run_vllm
 

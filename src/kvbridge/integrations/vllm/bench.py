@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -40,7 +39,7 @@ from typing import Any
 
 from kvbridge import envs
 from kvbridge.bench.nixl_delay import ENV as DELAY_ENV
-from kvbridge.integrations.vllm.harness import Engine, EngineConfig, EngineError
+from kvbridge.integrations.vllm.harness import Engine, EngineConfig, EngineError, side_port
 from kvbridge.integrations.vllm.models import make_tiny_model
 
 SECRET = {"secret": "kvbridge-bench", "timeout_s": 10.0, "lease_s": 60.0}
@@ -96,12 +95,6 @@ CASES = [
 QUICK = ("llama 128->128", "llama 32->128", "llama 128->32")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _prompts(rng: random.Random, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
@@ -121,7 +114,7 @@ def _configs(case: Case, model: str, site: str) -> dict[str, tuple[EngineConfig,
             else:
                 env = {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port()),
                     "PYTHONPATH": os.pathsep.join(
                         filter(None, [site, os.environ.get("PYTHONPATH")])
                     ),

@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import signal
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvbridge.api import KVBridgeError
@@ -41,6 +44,9 @@ class EngineConfig:
     """Extra environment of the engine process (e.g. NixlConnector's side-channel port)."""
     max_num_batched_tokens: int | None = None
     """vLLM's per-step token budget (a prompt longer than it is prefilled in chunks)."""
+    num_blocks: int | None = None
+    """KV blocks of the engine (vLLM's ``num_gpu_blocks_override``); None: what its
+    memory budget gives."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,11 @@ class Engine:
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, cfg), daemon=False)
         self.proc.start()
-        self._call("ready")
+        try:
+            self._call("ready")
+        except BaseException:
+            self.kill()  # an engine that never came up must not outlive the caller
+            raise
 
     def _call(self, cmd: str, *args: Any) -> Any:
         if not self.proc.is_alive():
@@ -80,10 +90,11 @@ class Engine:
     def generate(
         self,
         prompts: list[list[int]],
-        max_tokens: int,
+        max_tokens: int | list[int],
         params: list[dict[str, Any] | None] | None = None,
     ) -> list[Output]:
-        """Greedy outputs of ``prompts``; ``params[i]`` is request i's ``kv_transfer_params``."""
+        """Greedy outputs of ``prompts``; ``params[i]`` is request i's ``kv_transfer_params``,
+        ``max_tokens`` one count for all or one per request."""
         return self._call("generate", prompts, max_tokens, params or [None] * len(prompts))
 
     def rpc(self, fn: Any) -> list[Any]:
@@ -169,6 +180,7 @@ def _make_llm(cfg: EngineConfig) -> Any:
             if cfg.max_num_batched_tokens
             else {}
         ),
+        **({"num_gpu_blocks_override": cfg.num_blocks} if cfg.num_blocks else {}),
     )
 
 
@@ -184,15 +196,16 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
     from vllm import SamplingParams
 
     prompts, max_tokens, params = args
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     sps = [
         SamplingParams(
             temperature=0,
-            max_tokens=max_tokens,
+            max_tokens=m,
             ignore_eos=True,
             detokenize=False,
             extra_args={"kv_transfer_params": p} if p else None,
         )
-        for p in params
+        for m, p in zip(counts, params, strict=True)
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     return [
@@ -261,3 +274,24 @@ def block_size(worker: Any) -> int:
     """For :meth:`Engine.rpc`: the attention block size vLLM settled on (for hybrid
     models it raises the one asked for until a block's page holds a Mamba state)."""
     return int(worker.vllm_config.cache_config.block_size)
+
+
+def side_port() -> int:
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range. A port taken
+    from the ephemeral range and released can be handed to any other socket (a UCX or
+    ZeroMQ connection of an engine starting meanwhile, another benchmark) before the
+    engine binds it; NixlConnector then fails to bind and its engine never comes up."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise EngineError("no free port below the ephemeral range")
