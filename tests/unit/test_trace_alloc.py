@@ -134,3 +134,22 @@ def test_pattern_check_sees_every_landed_byte(
     at = int(first.dst[0])
     ctypes.memset(at, ctypes.string_at(at, 1)[0] ^ 0xFF, 1)
     assert pat.mismatches(spec, d_lay, d_mem, d_tab, req.tokens, 5, word) == 1
+
+
+def test_trace_cases_are_selected_by_label_exactly_or_by_part() -> None:
+    from kvbridge.bench.trace_bench import cases, select
+
+    grid = cases()
+    one = select(grid, "llama-3.1-8b TP 1→2 nhd", None)
+    assert [c.label() for c in one] == ["llama-3.1-8b TP 1→2 nhd"]  # not nhd→hnd too
+    part = select(grid, "TP 1→2 nhd", 20)
+    assert {c.label() for c in part} == {
+        "llama-3.1-8b TP 1→2 nhd",
+        "llama-3.1-8b TP 1→2 nhd→hnd",
+        "jamba-1.5-mini TP 1→2 nhd",
+        "jamba-1.5-mini TP 1→2 nhd→hnd",
+    }
+    assert all(c.requests == 20 and c.budget_s >= 20 for c in part)
+    assert select(grid, None, None) == grid
+    with pytest.raises(ValueError, match="no case label contains"):
+        select(grid, "mixtral", None)

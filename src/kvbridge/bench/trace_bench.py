@@ -116,6 +116,20 @@ def _summary(res: CaseResult, rows: list[dict[str, Any]]) -> str:
     )
 
 
+def select(todo: list[Case], only: str | None, requests: int | None) -> list[Case]:
+    """The case labelled ``only``, else those whose label contains it (all: None);
+    ``requests`` measured per case, with a budget of a second each at least. ValueError
+    if no case matches."""
+    if only:
+        exact = [c for c in todo if c.label() == only]
+        todo = exact or [c for c in todo if only in c.label()]
+        if not todo:
+            raise ValueError(f"no case label contains {only!r}")
+    if requests:
+        todo = [replace(c, requests=requests, budget_s=max(c.budget_s, requests)) for c in todo]
+    return todo
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvbridge bench trace",
@@ -136,17 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--requests", type=int, default=None, help="requests measured per case (default 12)"
     )
     args = ap.parse_args(argv)
-    todo = cases(args.quick, args.pool_mib)
-    if args.only:
-        exact = [c for c in todo if c.label() == args.only]
-        todo = exact or [c for c in todo if args.only in c.label()]
-        if not todo:
-            ap.error(f"no case label contains {args.only!r}")
-    if args.requests:  # more requests: a longer budget too (about 1 s each)
-        todo = [
-            replace(c, requests=args.requests, budget_s=max(c.budget_s, args.requests))
-            for c in todo
-        ]
+    try:
+        todo = select(cases(args.quick, args.pool_mib), args.only, args.requests)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     rows = run_all(args.quick, lambda line: print(line, file=sys.stderr, flush=True), todo)
     if args.json:

@@ -24,7 +24,8 @@ def register(sub: Any) -> None:
         "--calls",
         type=types.positive,
         help="timed calls per batch (plan; default 300, with --quick 50); timed requests "
-        "per connector and case (vllm; default 8, with --quick 4)",
+        "per connector and case (vllm; default 8, with --quick 4); requests per case "
+        "(trace; default 12, with --quick 4)",
     )
     p.add_argument(
         "--quick",
@@ -32,6 +33,12 @@ def register(sub: Any) -> None:
         help="smaller, faster run: plan leaves out the 32k-token cases and times 50 calls; "
         "transfer runs 1024 tokens only; trace runs three cases of four requests; vllm runs the "
         "three llama block-size cases (with --trace: llama 128->128 and granite)",
+    )
+    p.add_argument(
+        "--only",
+        metavar="CASE",
+        help="trace only: the case labelled CASE (e.g. 'llama-3.1-8b TP 1→2 nhd'), else "
+        "those whose label contains it",
     )
     p.add_argument(
         "--trace",
@@ -60,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         from kvbridge.errors import ConfigError
 
         raise ConfigError(f"--trace: bench {args.what} has no trace mode; --trace works with vllm")
+    if args.only is not None and args.what != "trace":
+        from kvbridge.errors import ConfigError
+
+        raise ConfigError(f"--only: bench {args.what} has no case filter; --only works with trace")
     if args.what == "trace":
         return _trace(args)
     if args.what == "plan":
@@ -108,13 +119,12 @@ def _check_plot(what: str, path: str) -> None:
 
 def _trace(args: argparse.Namespace) -> int:
     """``bench trace``: transfers on an allocator trace (``bench/trace_bench.py``)."""
-    if args.calls is not None:
-        from kvbridge.errors import ConfigError
-
-        raise ConfigError("--calls: bench trace sets its requests per case; no --calls")
     from kvbridge.bench.trace_bench import main as trace_main
 
-    return trace_main([*(["--quick"] if args.quick else []), *(["--json"] if args.json else [])])
+    argv = [*(["--quick"] if args.quick else []), *(["--json"] if args.json else [])]
+    argv += ["--only", args.only] if args.only else []
+    argv += ["--requests", str(args.calls)] if args.calls else []
+    return trace_main(argv)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
