@@ -172,6 +172,19 @@ def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
     assert np.array_equal(back[: int(ln.sum())], stage[: int(ln.sum())])
 
 
+def test_scatter_refuses_lengths_out_of_range_and_takes_uint64_addresses() -> None:
+    buf = np.zeros(256, np.uint8)
+    mem = LocalMemory([Region(int(buf.ctypes.data), 256)])
+    stage = np.arange(64, dtype=np.uint8)
+    at = np.array([int(buf.ctypes.data) + 8], np.uint64)
+    zero = np.zeros(1, np.int64)
+    for bad in (0, 1 << 63, (1 << 64) - 8):  # from the wire as uint64: 2⁶³ and up wrap
+        with pytest.raises(TransportError, match="run length"):
+            mem.scatter(at, stage, zero, np.array([bad], np.uint64).view(np.int64))
+    mem.scatter(at, stage, zero.astype(np.uint64), np.array([16], np.uint64))
+    assert np.array_equal(buf[8:24], stage[:16]) and not buf[:8].any() and not buf[24:].any()
+
+
 def test_pool_quarantines_a_dirty_slot() -> None:
     pool = StagingPool(2, 4096)
     a, b = pool.take(0.1), pool.take(0.1)

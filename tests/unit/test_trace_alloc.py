@@ -150,6 +150,7 @@ def test_trace_cases_are_selected_by_label_exactly_or_by_part() -> None:
         "jamba-1.5-mini TP 1→2 nhd→hnd",
     }
     assert all(c.requests == 20 and c.budget_s >= 20 for c in part)
+    assert select(grid, "llama-3.1-8b 1→2 nhd", None) == one  # as the table names it
     assert select(grid, None, None) == grid
     with pytest.raises(ValueError, match="no case label contains"):
         select(grid, "mixtral", None)

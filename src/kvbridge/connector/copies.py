@@ -39,6 +39,7 @@ class LocalMemory:
     ) -> None:
         """Copy ``src[src_off[i] : src_off[i] + length[i]]`` to absolute address ``dst[i]``
         (each destination inside one region, checked)."""
+        dst, src_off = dst.astype(np.int64, copy=False), src_off.astype(np.int64, copy=False)
         for r, k, size in self._groups(dst, length, "scatter"):
             copy_equal(self.views[r], dst[k] - self.bases[r], src, src_off[k], size)
 
@@ -47,6 +48,7 @@ class LocalMemory:
     ) -> None:
         """Copy absolute address ``src[i]`` (``length[i]`` bytes, inside one region,
         checked) to ``dst[dst_off[i] : dst_off[i] + length[i]]``: :meth:`scatter` reversed."""
+        src, dst_off = src.astype(np.int64, copy=False), dst_off.astype(np.int64, copy=False)
         for r, k, size in self._groups(src, length, "gather"):
             copy_equal(dst, dst_off[k], self.views[r], src[k] - self.bases[r], size)
 
@@ -56,12 +58,15 @@ class LocalMemory:
         """The runs per (region, length), each group in the order given: ``(region,
         indices or a slice of them, length)``; TransportError if a run leaves its region."""
         reg = np.searchsorted(self.bases, addr, side="right") - 1
+        length = length.astype(np.int64, copy=False)
+        if (length <= 0).any() or (length >= 1 << 40).any():
+            raise TransportError(f"staged {what}: a run length outside (0, 2⁴⁰) B")
         if (reg < 0).any() or (addr + length > self.ends[np.maximum(reg, 0)]).any():
             raise TransportError(f"staged {what}: a run leaves local memory")
         if reg.shape[0] == 0:
             return []
         # one key per (region, length): lengths below 2⁴⁰ B, regions below 2²³
-        key = (reg << 40) | length.astype(np.int64, copy=False)
+        key = (reg << 40) | length
         if key.shape[0] == 1 or bool((key[1:] >= key[:-1]).all()):
             order: np.ndarray | None = None  # grouped already (one region and length: often)
         else:
@@ -79,9 +84,11 @@ class LocalMemory:
 def copy_equal(
     dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
 ) -> None:
-    """``dv[d_off[i] : +size] = sv[s_off[i] : +size]`` for all i (uint8 arrays)."""
+    """``dv[d_off[i] : +size] = sv[s_off[i] : +size]`` for all i (uint8 arrays; offsets
+    of any integer dtype)."""
     if d_off.shape[0] == 0:
         return
+    d_off, s_off = d_off.astype(np.int64, copy=False), s_off.astype(np.int64, copy=False)
     _inside(dv, d_off, size)
     _inside(sv, s_off, size)
     if d_off.shape[0] <= 16 or size >= 1 << 16:  # few or long runs: slices
@@ -164,7 +171,7 @@ def _segments(cut: np.ndarray, n: int, limit: int) -> list[tuple[int, int]] | No
 
 def progressions(d_off: np.ndarray, s_off: np.ndarray) -> int:
     """How many strided copies :func:`copy_equal` makes of these runs (in order); about
-    the number of step changes when that is over a quarter of the runs."""
+    the number of step changes when the runs form more than one progression per 8."""
     n = int(d_off.shape[0])
     if n < 3:
         return n

@@ -92,15 +92,16 @@ class CostModel:
 
     def learn(self, descriptors: int, nbytes: int, seconds: float) -> None:
         """A timed direct transfer: small runs (≤ 4 KiB on average, 256 or more) tell
-        what one descriptor costs, long ones (≥ 64 KiB on average, 1 MiB or more) what
-        one byte costs; each net of the other's current estimate, moving averages."""
+        what one descriptor costs, long ones (≥ 64 KiB on average, 8 MiB or more, so a
+        request's fixed costs weigh little) what one byte costs; each net of the other's
+        current estimate, moving averages. Anything between teaches nothing."""
         if descriptors <= 0 or seconds <= 0:
             return
         with self._lock:
             if descriptors >= 256 and nbytes <= descriptors * 4096:
                 per = (seconds - nbytes * self.c_byte) / descriptors
                 self.c_desc = 0.8 * self.c_desc + 0.2 * min(max(per, MIN_DESC_S), MAX_DESC_S)
-            elif nbytes >= 1 << 20 and nbytes >= descriptors * (64 << 10):
+            elif nbytes >= 8 << 20 and nbytes >= descriptors * (64 << 10):
                 per = (seconds - descriptors * self.c_desc) / nbytes
                 self.c_byte = 0.8 * self.c_byte + 0.2 * min(max(per, MIN_BYTE_S), MAX_BYTE_S)
 
@@ -111,7 +112,8 @@ def _measure_scatter() -> tuple[float, float]:
     dst = np.zeros(1 << 20, np.uint8)
 
     def timed(size: int) -> float:
-        off = np.arange(0, 1 << 20, size, dtype=np.int64)
+        off = np.arange(0, (1 << 20) - size, size, dtype=np.int64)
+        off[1::2] += 8  # offsets sharing 8 bytes only: no whole-run words (conservative)
         shuffled = np.random.default_rng(0).permutation(off)  # no strided shortcut
         best = float("inf")
         for _ in range(3):

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from kvbridge.integrations.vllm.harness import Engine, EngineConfig, EngineError, side_port
+from kvbridge.integrations.vllm.harness import Engine, EngineConfig, side_port
 
 
 # --- run in every worker (vLLM's collective_rpc) -----------------------------------------
@@ -103,13 +103,14 @@ def pool_engines(
             for c, pair in cfgs.items()
             for i, cfg in enumerate(pair)
         }
-    started, errors = {}, []
-    for key, fut in futs.items():
-        try:
-            started[key] = fut.result()
-        except EngineError as e:
-            errors.append(e)
+    started: dict[tuple[str, int], Engine] = {}
     try:
+        errors: list[BaseException] = []
+        for key, fut in futs.items():
+            try:
+                started[key] = fut.result()
+            except BaseException as e:  # every engine that did start is closed below
+                errors.append(e)
         if errors:
             raise errors[0]
         yield {c: (started[(c, 0)], started[(c, 1)]) for c in cfgs}

@@ -285,9 +285,12 @@ def side_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    lo, hi = max(1024, low - 12000), low
+    if hi - lo < 1000:  # an ephemeral range that starts low: take a port above it
+        lo, hi = 60000, 65000
     rng = random.SystemRandom()
     for _ in range(100):
-        port = rng.randrange(max(1024, low - 12000), low)
+        port = rng.randrange(lo, hi)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
