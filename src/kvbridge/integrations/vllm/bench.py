@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from kvbridge.integrations.vllm.models import make_tiny_model
 SECRET = {"secret": "kvbridge-bench", "timeout_s": 10.0, "lease_s": 60.0}
 NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
 CONNECTORS = ("kvbridge", "nixl")
+SIDE_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 _SITECUSTOMIZE = """from kvbridge.bench.nixl_delay import patch_from_env
 
@@ -114,7 +115,7 @@ def _configs(case: Case, model: str, site: str) -> dict[str, tuple[EngineConfig,
             else:
                 env = {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port()),
+                    SIDE_PORT: str(side_port()),
                     "PYTHONPATH": os.pathsep.join(
                         filter(None, [site, os.environ.get("PYTHONPATH")])
                     ),
@@ -129,30 +130,43 @@ def _configs(case: Case, model: str, site: str) -> dict[str, tuple[EngineConfig,
     return out
 
 
+Pairs = dict[str, tuple[Engine, Engine]]
+"""Connector name → its (P, D) engines."""
+
+
 @contextmanager
-def _engines(
-    cfgs: dict[str, tuple[EngineConfig, EngineConfig]],
-) -> Iterator[dict[str, tuple[Engine, Engine]]]:
-    """Every engine of ``cfgs``, started two at a time; all closed on the way out."""
+def engines(
+    cfgs: dict[str, tuple[EngineConfig, EngineConfig]], blocks: int | None = None
+) -> Iterator[Pairs]:
+    """Every engine of ``cfgs`` (with a pool of ``blocks`` if given), started two at a
+    time; all closed (at once) on the way out, also when a start fails. A NixlConnector
+    engine's side-channel port is chosen as it starts (:func:`side_port`)."""
+
+    def start(cfg: EngineConfig) -> Engine:
+        if SIDE_PORT in cfg.env:
+            cfg = replace(cfg, env={**cfg.env, SIDE_PORT: str(side_port())})
+        return Engine(replace(cfg, num_blocks=blocks) if blocks else cfg)
+
     with ThreadPoolExecutor(2) as pool:
         futs = {
-            (c, i): pool.submit(Engine, cfg)
+            (c, i): pool.submit(start, cfg)
             for c, pair in cfgs.items()
             for i, cfg in enumerate(pair)
         }
-    started, errors = {}, []
-    for key, fut in futs.items():
-        try:
-            started[key] = fut.result()
-        except EngineError as e:
-            errors.append(e)
+    started: dict[tuple[str, int], Engine] = {}
     try:
+        errors: list[BaseException] = []
+        for key, fut in futs.items():
+            try:
+                started[key] = fut.result()
+            except BaseException as e:  # every engine that did start is closed below
+                errors.append(e)
         if errors:
             raise errors[0]
         yield {c: (started[(c, 0)], started[(c, 1)]) for c in cfgs}
-    finally:
-        for engine in started.values():
-            engine.close()
+    finally:  # an engine takes seconds to shut down: all at once
+        with ThreadPoolExecutor(max(1, len(started))) as pool:
+            list(pool.map(Engine.close, started.values()))
 
 
 # --- run in D's worker process (vLLM's collective_rpc) ----------------------------------
@@ -224,6 +238,25 @@ def _verdict(got: list[Any], ref: list[list[int]], loads: float) -> str:
     return "match" if loads else "recomputed"
 
 
+def records(d: Engine) -> list[dict[str, Any]]:
+    """The connector stats D's workers recorded since the last call (then forgotten)."""
+    return [r for w in d.rpc(take_records) for r in w]
+
+
+def verdicts(eng: Pairs, batch: list[list[int]], ref: list[list[int]]) -> dict[str, str]:
+    """``batch`` P → D through each connector against ``ref``: :func:`_verdict`'s words,
+    or ``refused (...)`` when the engine call failed."""
+    verdict = {}
+    for conn in CONNECTORS:
+        p, d = eng[conn]
+        try:
+            out, _, _ = _pd(p, d, batch, 16)
+            verdict[conn] = _verdict(out, ref, transfers(conn, records(d))["loads"])
+        except EngineError as e:
+            verdict[conn] = f"refused ({e})"[:60]
+    return verdict
+
+
 def _pd(p: Engine, d: Engine, batch: list[list[int]], new: int) -> tuple[list[Any], float, float]:
     t0 = time.perf_counter()
     pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
@@ -238,7 +271,7 @@ def run_case(
     model = str(make_tiny_model(case.model, models / case.model))
     rng = random.Random(zlib.crc32(case.name.encode()))
     t_start = time.perf_counter()
-    with _engines(_configs(case, model, site)) as eng:
+    with engines(_configs(case, model, site)) as eng:
         progress(f"{case.name}: 4 engines up in {time.perf_counter() - t_start:.0f} s")
         first = {}
         for conn in CONNECTORS:  # the first request pays the handshake: timed apart
@@ -255,15 +288,7 @@ def run_case(
         else:
             ref = [o.tokens for o in ref_engine.generate(batch, 16)]
         ref_engine.reset_prefix_cache()
-        verdict = {}
-        for conn in CONNECTORS:
-            p, d = eng[conn]
-            try:
-                out, _, _ = _pd(p, d, batch, 16)
-                loads = transfers(conn, [r for w in d.rpc(take_records) for r in w])["loads"]
-                verdict[conn] = _verdict(out, ref, loads)
-            except EngineError as e:
-                verdict[conn] = f"refused ({e})"[:60]
+        verdict = verdicts(eng, batch, ref)
         timed: dict[str, list[dict[str, float]]] = {c: [] for c in CONNECTORS}
         for i in range(calls):
             (x,) = _prompts(rng, (case.timed_len,))
@@ -274,7 +299,7 @@ def run_case(
                     out, t_p, t_d = _pd(p, d, [x], 1)
                 except EngineError:
                     continue
-                row = transfers(conn, [r for w in d.rpc(take_records) for r in w])
+                row = transfers(conn, records(d))
                 if out[0].tokens:
                     timed[conn].append(dict(row, ttft_s=t_p + t_d, d_s=t_d))
     rows = [

@@ -1,20 +1,13 @@
 """vLLM engines with a small block pool, for ``kvbridge bench vllm --trace``
 (:mod:`kvbridge.integrations.vllm.bench_trace`), and the block-run figures it reports.
 
-:func:`pool_engines` starts the harness's engines with ``EngineConfig.num_blocks``
-(vLLM's ``num_gpu_blocks_override``); :func:`install_block_recorder` records, in each
-worker, the block ids of every request as vLLM's scheduler first sends it.
+:func:`install_block_recorder` records, in each worker, the block ids of every request
+as vLLM's scheduler first sends it; :func:`runs` and :func:`joint_runs` count them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
-
-from kvbridge.integrations.vllm.harness import Engine, EngineConfig, side_port
 
 
 # --- run in every worker (vLLM's collective_rpc) -----------------------------------------
@@ -75,45 +68,3 @@ def joint_runs(p: list[list[int]], d: list[list[int]]) -> int:
                 n += 1
             prev = (a, b) if a and b else (-2, -2)
     return n
-
-
-SIDE_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
-
-
-Pairs = dict[str, tuple[Engine, Engine]]
-"""Connector name → its (P, D) engines."""
-
-
-@contextmanager
-def pool_engines(
-    cfgs: dict[str, tuple[EngineConfig, EngineConfig]], blocks: int
-) -> Iterator[Pairs]:
-    """Every engine of ``cfgs`` with a pool of ``blocks``, started two at a time; all
-    closed (at once) on the way out. A NixlConnector engine's side-channel port is chosen as it
-    starts (:func:`side_port`)."""
-
-    def start(cfg: EngineConfig) -> Engine:
-        if SIDE_PORT in cfg.env:
-            cfg = replace(cfg, env={**cfg.env, SIDE_PORT: str(side_port())})
-        return Engine(replace(cfg, num_blocks=blocks))
-
-    with ThreadPoolExecutor(2) as pool:
-        futs = {
-            (c, i): pool.submit(start, cfg)
-            for c, pair in cfgs.items()
-            for i, cfg in enumerate(pair)
-        }
-    started: dict[tuple[str, int], Engine] = {}
-    try:
-        errors: list[BaseException] = []
-        for key, fut in futs.items():
-            try:
-                started[key] = fut.result()
-            except BaseException as e:  # every engine that did start is closed below
-                errors.append(e)
-        if errors:
-            raise errors[0]
-        yield {c: (started[(c, 0)], started[(c, 1)]) for c in cfgs}
-    finally:  # an engine takes seconds to shut down: all at once
-        with ThreadPoolExecutor(max(1, len(started))) as pool:
-            list(pool.map(Engine.close, started.values()))

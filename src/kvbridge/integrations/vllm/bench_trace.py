@@ -10,7 +10,7 @@ has been through a few batches a request gets what other requests left, in piece
 and on D independently. Here:
 
 * every engine gets a **small pool** (vLLM's ``num_gpu_blocks_override``, through
-  :func:`~kvbridge.integrations.vllm.bench_pool.pool_engines`): ``POOL_FACTOR`` times the
+  :func:`~kvbridge.integrations.vllm.bench.engines`): ``POOL_FACTOR`` times the
   blocks of one timed request;
 * after the handshake request and the colocated reference, a seeded **warm-up** (the
   same for both connectors) sends ``rounds`` batches through each P → D pair: prompts of
@@ -45,11 +45,9 @@ from typing import Any
 
 from kvbridge.integrations.vllm import bench
 from kvbridge.integrations.vllm.bench_pool import (
-    Pairs,
     block_groups,
     install_block_recorder,
     joint_runs,
-    pool_engines,
     runs,
     take_blocks,
 )
@@ -142,11 +140,7 @@ def churn(conn: str, p: Engine, d: Engine, r: Round) -> int:
         )
     p.rpc(take_blocks)
     d.rpc(take_blocks)
-    return int(bench.transfers(conn, _records(d))["loads"])
-
-
-def _records(d: Engine) -> list[dict[str, Any]]:
-    return [r for w in d.rpc(bench.take_records) for r in w]
+    return int(bench.transfers(conn, bench.records(d))["loads"])
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -155,7 +149,7 @@ def pool_blocks(case: bench.Case) -> int:
     return POOL_FACTOR * -(-case.timed_len // case.d_block) + 1
 
 
-def _first(eng: Pairs, rng: random.Random, case: bench.Case) -> tuple[dict[str, float], int]:
+def _first(eng: bench.Pairs, rng: random.Random, case: bench.Case) -> tuple[dict[str, float], int]:
     """Install the recorders and send each pair its first request (it pays the
     handshake); its time per connector, and the blocks a request takes besides its
     tokens' (state groups)."""
@@ -168,14 +162,14 @@ def _first(eng: Pairs, rng: random.Random, case: bench.Case) -> tuple[dict[str, 
         (x,) = bench._prompts(rng, (case.timed_len,))
         _, t_p, t_d = bench._pd(p, d, [x], 1)
         first[conn] = t_p + t_d
-        _records(d)
+        bench.records(d)
         p.rpc(take_blocks)
         groups = d.rpc(take_blocks)[0][-1]
         extra = len(groups) - len(block_groups(groups))
     return first, extra
 
 
-def _reference(eng: Pairs, case: bench.Case, batch: list[list[int]]) -> list[list[int]]:
+def _reference(eng: bench.Pairs, case: bench.Case, batch: list[list[int]]) -> list[list[int]]:
     """The colocated tokens of ``batch`` (kvbridge's D, no handle); nixl's D runs the same
     batch so both D pools have the same history. Prefix caches reset after."""
     ref: list[list[int]] = []
@@ -191,19 +185,6 @@ def _reference(eng: Pairs, case: bench.Case, batch: list[list[int]]) -> list[lis
     return ref
 
 
-def _verdicts(eng: Pairs, batch: list[list[int]], ref: list[list[int]]) -> dict[str, str]:
-    """``batch`` P → D through each connector against ``ref``: ``bench._verdict``'s words."""
-    verdict = {}
-    for conn in bench.CONNECTORS:
-        p, d = eng[conn]
-        try:
-            out, _, _ = bench._pd(p, d, batch, 16)
-            verdict[conn] = bench._verdict(out, ref, bench.transfers(conn, _records(d))["loads"])
-        except EngineError as e:
-            verdict[conn] = f"refused ({e})"[:60]
-    return verdict
-
-
 def _timed(conn: str, p: Engine, d: Engine, x: list[int]) -> dict[str, float] | None:
     """One timed request: TTFT, transfer figures, the request's block runs and
     (kvbridge) its load stages on D, ``stage_<name>`` in seconds."""
@@ -211,7 +192,7 @@ def _timed(conn: str, p: Engine, d: Engine, x: list[int]) -> dict[str, float] | 
         out, t_p, t_d = bench._pd(p, d, [x], 1)
     except EngineError:
         return None
-    records = _records(d)
+    records = bench.records(d)
     row = bench.transfers(conn, records)
     for load in (o for r in records for o in r.get("loads", []) if o["ok"]):
         for name, sec in load["stages"].items():
@@ -241,7 +222,7 @@ def run_trace_case(
     warm = random.Random(zlib.crc32(b"trace " + case.name.encode()))
     pool = pool_blocks(case)
     t_start = time.perf_counter()
-    with pool_engines(bench._configs(case, model, site), pool) as eng:
+    with bench.engines(bench._configs(case, model, site), pool) as eng:
         progress(f"{case.name} (trace): 4 engines up in {time.perf_counter() - t_start:.0f} s")
         first, extra = _first(eng, rng, case)
         max_len = eng["kvbridge"][1].cfg.max_model_len
@@ -258,7 +239,7 @@ def run_trace_case(
 
         for _ in range(rounds):
             one_round()
-        verdict = _verdicts(eng, batch, ref)
+        verdict = bench.verdicts(eng, batch, ref)
         timed: dict[str, list[dict[str, float]]] = {c: [] for c in bench.CONNECTORS}
         for i in range(calls):
             one_round()
