@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -15,10 +17,18 @@ import zmq
 from kvbridge.connector.consumer import Consumer, Mode
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import Producer, ProducerWorker
-from kvbridge.control.channel import Client
-from kvbridge.control.messages import MAX_FRAME, ErrorReply, PushRuns, seal, unseal
+from kvbridge.control.channel import Client, Server
+from kvbridge.control.messages import (
+    MAX_FRAME,
+    ErrorReply,
+    LeaseOp,
+    LeaseReply,
+    PushRuns,
+    seal,
+    unseal,
+)
 from kvbridge.control.security import Keys, secure_client
-from kvbridge.errors import PeerError, PlanError
+from kvbridge.errors import PeerError, PlanError, TransportError
 from kvbridge.testing.scenario import random_tables
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import SECRET, SPEC, World, raw_call
@@ -227,4 +237,71 @@ def test_a_restarted_p_reusing_its_agent_names_keeps_working():
             (out,) = w.wait()
             assert out.ok, out.error
     finally:
+        w.close()
+
+
+def test_calls_queued_behind_a_timed_out_call_fail_at_once():
+    """A P that stops answering: three loads' calls to it take turns on one channel; the
+    two that waited fail as soon as the first times out (one timeout, not three); a call
+    made after that tries again and, P answering again, succeeds."""
+    answering = threading.Event()
+
+    def handler(msg: object) -> LeaseReply:
+        answering.wait(10)
+        return LeaseReply("held", 1.0)
+
+    server = Server(handler, SECRET)
+    client = Client(server.endpoint, SECRET, timeout_s=1.0)
+    op = LeaseOp("renew", "r", "l", "digest", "D", 0, 1)
+
+    def call() -> str:
+        try:
+            client.call(op)
+            return "ok"
+        except TransportError as e:
+            return str(e)
+
+    try:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            errors = list(pool.map(lambda _: call(), range(3)))
+        took = time.monotonic() - t0
+        assert sum("no reply within 1000 ms" in e for e in errors) == 3, errors
+        assert sum("while this one waited" in e for e in errors) == 2, errors
+        assert took < 2.0, took  # three turns of 1 s each without the rule
+        answering.set()
+        assert call() == "ok"
+    finally:
+        answering.set()
+        client.close()
+        server.close()
+
+
+def test_loads_waiting_for_a_handshake_with_a_dead_p_fail_with_it():
+    """Two loads for a P that accepts connections but never answers (a hung or dead P):
+    the second waits for the first one's handshake and fails when it does, within one
+    timeout rather than two; D then still loads from a live P."""
+    w = World(timeout_s=1.5)
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    try:
+        c = w.consumers[0]
+        handle, d_tabs = w.request("ok", 30)
+        end = f"tcp://127.0.0.1:{hole.getsockname()[1]}"
+        t0 = time.monotonic()
+        for rid in ("hung-1", "hung-2"):
+            c.load(forged(handle, request_id=rid, engine_id="hung", endpoint=end), d_tabs)
+        outs = w.wait(2, timeout=6)
+        took = time.monotonic() - t0
+        assert sorted(o.request_id for o in outs) == ["hung-1", "hung-2"]
+        assert not any(o.ok for o in outs)
+        assert all("no reply within 1500 ms" in (o.error or "") for o in outs)
+        assert sum("while this load waited" in (o.error or "") for o in outs) == 1
+        assert took < 2.6, took  # two turns of 1.5 s without the rule
+        c.load(handle, d_tabs)
+        (out,) = w.wait(timeout=5)
+        assert out.ok and out.request_id == "ok"
+    finally:
+        hole.close()
         w.close()

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvbridge.plan.links import unique_rows
 from kvbridge.plan.runs import Runs
 from kvbridge.spec import ModelSpec, Parallel, attention, group_by_kind, mamba2
 from kvbridge.testing.scenario import Side, run_scenario
@@ -187,3 +188,23 @@ def test_hybrid_shared_pool(shuffle, p_tp, d_tp):
     d = Side(s, Parallel(d_tp), "shared-pool", 60)
     plans = run_scenario(p, d, 70, 0, np.random.default_rng(5), shuffle)
     assert_minimal(plans)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 300),
+    st.integers(1, 5),
+    st.sampled_from([3, 1000, 2**40, 2**62]),
+    st.integers(0, 2**32 - 1),
+)
+def test_unique_rows_is_numpys_unique_over_rows(n: int, k: int, span: int, seed: int) -> None:
+    """The links' row grouping against ``np.unique(axis=0)``: small ranges (one int64
+    key), huge ones (column by column), negative values, repeated rows."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(-span, span, size=(n, k), dtype=np.int64)
+    if n > 2:
+        rows[rng.integers(0, n, n // 2)] = rows[0]
+    got_u, got_inv = unique_rows(rows)
+    want_u, want_inv = np.unique(rows, axis=0, return_inverse=True)
+    assert np.array_equal(got_u, want_u)
+    assert np.array_equal(got_inv, want_inv.reshape(-1))

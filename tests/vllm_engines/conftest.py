@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def llama_pair(models: Path) -> Iterator[tuple[Engine, ...]]:
     """Llama engines with block 32 and block 128, shared by all modules. Tests leave them
     as they found them (a test that scrambles a cache resets the prefix cache after)."""
-    a = start(models, "llama", "llama-b32", block_size=32, cpus="0")
-    try:
-        b = start(models, "llama", "llama-b128", block_size=128, cpus="1")
-    except BaseException:
-        a.close()
-        raise
-    yield from closing(a, b)
+    yield from closing(
+        *start_all(
+            models,
+            ("llama", "llama-b32", {"block_size": 32, "cpus": "0"}),
+            ("llama", "llama-b128", {"block_size": 128, "cpus": "1"}),
+        )
+    )
 
 
 def model(models: Path, name: str) -> str:
@@ -51,6 +52,29 @@ def model(models: Path, name: str) -> str:
 
 def start(models: Path, name: str, engine_id: str, **kw: object) -> Engine:
     return Engine(EngineConfig(model(models, name), engine_id=engine_id, extra=SECRET, **kw))  # type: ignore[arg-type]
+
+
+def start_all(models: Path, *specs: tuple[str, str, dict[str, object]]) -> tuple[Engine, ...]:
+    """Engines of ``(model, engine id, settings)`` started two at a time (a start is
+    mostly one busy core); if one fails, those that started are closed."""
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(start, models, name, eid, **kw) for name, eid, kw in specs]
+    started, errors = [], []
+    for f in futs:
+        try:
+            started.append(f.result())
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        close_all(started)
+        raise errors[0]
+    return tuple(started)
+
+
+def close_all(engines: list[Engine] | tuple[Engine, ...]) -> None:
+    """Close ``engines`` at once (each takes seconds to shut down)."""
+    with ThreadPoolExecutor(max(1, len(engines))) as pool:
+        list(pool.map(Engine.close, engines))
 
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -70,5 +94,4 @@ def closing(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
     try:
         yield engines
     finally:
-        for e in engines:
-            e.close()
+        close_all(engines)

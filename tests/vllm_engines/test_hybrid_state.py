@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import functools
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -33,7 +32,7 @@ from kvbridge.integrations.vllm.harness import (
     scramble_state,
     ssm_state_itemsize,
 )
-from tests.vllm_engines.conftest import closing, pd, prompts, start
+from tests.vllm_engines.conftest import closing, pd, prompts, start_all
 
 pytestmark = pytest.mark.vllm
 
@@ -45,12 +44,13 @@ STATE_BYTES = 3 * ((4 - 1) * (8 * 64 + 2 * 2 * 32) + 8 * 64 * 32) * 4
 
 @pytest.fixture(scope="module")
 def granite(models: Path) -> Iterator[tuple[Engine, ...]]:
-    kw = {"prefix_caching": False}
-    with ThreadPoolExecutor(2) as pool:
-        a = pool.submit(start, models, "granite", "granite-b128", block_size=128, cpus="0", **kw)
-        b = pool.submit(start, models, "granite", "granite-b32", block_size=32, cpus="1", **kw)
-        engines = (a.result(), b.result())
-    yield from closing(*engines)
+    yield from closing(
+        *start_all(
+            models,
+            ("granite", "granite-b128", {"block_size": 128, "cpus": "0", "prefix_caching": False}),
+            ("granite", "granite-b32", {"block_size": 32, "cpus": "1", "prefix_caching": False}),
+        )
+    )
 
 
 def totals(e: Engine) -> dict[str, int]:
@@ -145,13 +145,13 @@ def qwen3next(models: Path) -> Iterator[tuple[Engine, ...]]:
     """Two bf16 engines (vLLM's CPU GDN kernel takes bf16 only; it raises the attention
     block to 256); ``b`` prefills in steps of at most 256 tokens."""
     kw = {"prefix_caching": False, "dtype": "bfloat16", "block_size": 256}
-    with ThreadPoolExecutor(2) as pool:
-        a = pool.submit(start, models, "qwen3next", "q3n-a", cpus="0", **kw)
-        b = pool.submit(
-            start, models, "qwen3next", "q3n-b", cpus="1", max_num_batched_tokens=256, **kw
+    yield from closing(
+        *start_all(
+            models,
+            ("qwen3next", "q3n-a", {"cpus": "0", **kw}),
+            ("qwen3next", "q3n-b", {"cpus": "1", "max_num_batched_tokens": 256, **kw}),
         )
-        engines = (a.result(), b.result())
-    yield from closing(*engines)
+    )
 
 
 @pytest.mark.parametrize("direction", ["a->b", "b->a"])

@@ -9,6 +9,7 @@ import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,15 +36,20 @@ def servers(
     logs = tmp_path_factory.mktemp("servers")
     m = model(models, "llama")
     secret = str(SECRET["secret"])
-    p = Server(ServerConfig(m, free_port(), "proxy-p", secret, 32, cpus="0"), logs / "p.log")
+    cfgs = [
+        ServerConfig(m, free_port(), "proxy-p", secret, 32, cpus="0"),
+        ServerConfig(m, free_port(), "proxy-d", secret, 128, cpus="1"),
+    ]
+    with ThreadPoolExecutor(2) as pool:  # both start at once; a failed start closes both
+        futs = [pool.submit(Server, c, logs / f"{c.engine_id}.log") for c in cfgs]
+    up = [f.result() for f in futs if f.exception() is None]
     try:
-        d = Server(ServerConfig(m, free_port(), "proxy-d", secret, 128, cpus="1"), logs / "d.log")
-    except Exception:
-        p.close()
-        raise
-    yield p, d
-    d.close()
-    p.close()
+        if len(up) < 2:
+            raise next(e for f in futs if (e := f.exception()) is not None)
+        yield up[0], up[1]
+    finally:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(Server.close, up))
 
 
 @pytest.fixture(scope="module")

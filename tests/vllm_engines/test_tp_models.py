@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.integrations.vllm.harness import Engine, connector_totals
-from tests.vllm_engines.conftest import closing, pd, prompts, start
+from tests.vllm_engines.conftest import closing, pd, prompts, start, start_all
 
 pytestmark = pytest.mark.vllm
 
@@ -35,8 +35,11 @@ def test_model_token_exact(
     models: Path, llama_pair: tuple[Engine, ...], name: str, p_block: int, d_block: int
 ) -> None:
     for engines in closing(
-        start(models, name, f"{name}-p", block_size=p_block, cpus="0"),
-        start(models, name, f"{name}-d", block_size=d_block, cpus="1"),
+        *start_all(
+            models,
+            (name, f"{name}-p", {"block_size": p_block, "cpus": "0"}),
+            (name, f"{name}-d", {"block_size": d_block, "cpus": "1"}),
+        )
     ):
         p, d = engines
         # Gemma-3's window is 64: prompts longer than it, at and around block edges

@@ -13,7 +13,7 @@ from kvbridge.connector.spans import Regions, regions_of
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply, rank_layout
 from kvbridge.control.security import Keys
-from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout
+from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout, TransportError
 from kvbridge.plan.build import Geometry
 from kvbridge.plan.geometry import Bound
 from kvbridge.spec.model import ModelSpec
@@ -59,7 +59,8 @@ class PeerCache:
     ones evicted), one handshake at a time per engine id (others wait for it, loads to
     other engines do not), and a P is replaced only by a handshake that succeeded with
     the engine id and epoch the handle names: a forged or stale handle costs its own
-    load, never a working link."""
+    load, never a working link. Loads that waited for a handshake which got no answer
+    from their endpoint fail with it at once (P down: one timeout, not one per load)."""
 
     def __init__(
         self,
@@ -86,6 +87,8 @@ class PeerCache:
         self._peers: dict[str, Peer] = {}  # least recently used first
         self._busy: dict[str, threading.Event] = {}
         self._stale: list[Peer] = []
+        self._unreachable: dict[str, tuple[float, str]] = {}
+        """Endpoint → when a handshake with it last got no answer, and the error."""
 
     def known(self, handle: TransferHandle) -> Peer | None:
         """The peer if one is cached. Does not wait for a handshake in progress: one
@@ -98,7 +101,7 @@ class PeerCache:
     def get(self, handle: TransferHandle) -> Peer:
         """The peer of ``handle`` (handshakes if new or if P restarted: new epoch),
         counted in use until :meth:`done`."""
-        eid = handle.engine_id
+        eid, asked = handle.engine_id, time.monotonic()
         while True:
             with self._lock:
                 peer = self._peers.get(eid)
@@ -106,6 +109,9 @@ class PeerCache:
                     self._peers[eid] = self._peers.pop(eid)  # most recently used
                     peer.users += 1
                     return peer
+                failed = self._unreachable.get(handle.endpoint)
+                if failed is not None and failed[0] >= asked:  # while this load waited
+                    raise TransportError(f"{failed[1]} (handshake made while this load waited)")
                 busy = self._busy.get(eid)
                 if busy is None:
                     busy = self._busy[eid] = threading.Event()
@@ -113,7 +119,15 @@ class PeerCache:
             if not busy.wait(max(60.0, 3 * self.timeout_s)):
                 raise TransferTimeout(f"another handshake with {eid!r} is still running")
         try:
-            new = self._handshake(handle)
+            try:
+                new = self._handshake(handle)
+            except TransportError as e:  # P down or unreachable: its waiters fail with it
+                with self._lock:
+                    self._unreachable.pop(handle.endpoint, None)
+                    self._unreachable[handle.endpoint] = (time.monotonic(), str(e))
+                    while len(self._unreachable) > self.max_peers:
+                        self._unreachable.pop(next(iter(self._unreachable)))
+                raise
             with self._lock:
                 old = self._peers.pop(eid, None)
                 self._peers[eid] = new

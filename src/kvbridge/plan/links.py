@@ -107,8 +107,7 @@ def _equal_stride_pairs(t: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarra
     n = s.shape[0]
     ends = np.stack((ss, ds, (s + ln) % ss, (d + ln) % ds), axis=1)
     starts = np.stack((ss, ds, s % ss, d % ds), axis=1)
-    _, inv = np.unique(np.concatenate((ends, starts)), axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
+    _, inv = unique_rows(np.concatenate((ends, starts)))
     ek, sk = inv[:n], inv[n:]
     order = np.argsort(sk, kind="stable")
     lo = np.searchsorted(sk[order], ek, "left")
@@ -142,8 +141,7 @@ def _classify(
     flags = streak[ok & ~fixed]
     links: list[Link] = []
     if rows.shape[0]:
-        uniq, inv = np.unique(rows, axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
+        uniq, inv = unique_rows(rows)
         all_streak = np.ones(uniq.shape[0], bool)
         np.logical_and.at(all_streak, inv, flags)
         for row, st in zip(uniq.tolist(), all_streak.tolist(), strict=True):
@@ -156,8 +154,7 @@ def _unequal_strides_meet(t: dict[str, np.ndarray], limits: Sequence[GroupLimits
     """Whether a template's end may meet the start of one with other strides, on both
     sides (conservative: address ranges over every valid id, not single ids)."""
     keys = np.stack((t["S"], t["D"]), axis=1)
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
+    uniq, inv = unique_rows(keys)
     if uniq.shape[0] < 2:
         return False
     plim = np.array([x.p_blocks for x in limits], np.int64)[t["g"]]
@@ -172,6 +169,38 @@ def _unequal_strides_meet(t: dict[str, np.ndarray], limits: Sequence[GroupLimits
         if (p_hit & d_hit).any():
             return True
     return False
+
+
+def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(rows, axis=0, return_inverse=True)`` for a 2-D integer array (the
+    distinct rows in lexicographic order, and each row's index among them), without
+    sorting rows as opaque records: that took seconds for the ~10⁵–10⁶ templates of a
+    hybrid model with a layout change. Rows become one int64 key where the columns'
+    ranges allow, else are sorted column by column."""
+    n, k = rows.shape
+    if n == 0:
+        return rows[:0], np.zeros(0, np.int64)
+    lo, hi = rows.min(axis=0), rows.max(axis=0)
+    span = [int(h) - int(lo_) + 1 for lo_, h in zip(lo.tolist(), hi.tolist(), strict=True)]
+    if np.prod(np.array(span, dtype=np.float64)) < 2.0**62:
+        key = rows[:, 0] - lo[0]
+        for c in range(1, k):
+            key *= span[c]
+            key += rows[:, c] - lo[c]
+        order = np.argsort(key)
+        srt_key = key[order]
+        new = np.empty(n, bool)
+        new[0] = True
+        np.not_equal(srt_key[1:], srt_key[:-1], out=new[1:])
+    else:
+        order = np.lexsort(rows.T[::-1])
+        srt = rows[order]
+        new = np.empty(n, bool)
+        new[0] = True
+        new[1:] = (srt[1:] != srt[:-1]).any(axis=1)
+    inv = np.empty(n, np.int64)
+    inv[order] = np.cumsum(new) - 1
+    return rows[order[new]], inv
 
 
 def _meets(lo: np.ndarray, hi: np.ndarray, olo: np.ndarray, ohi: np.ndarray) -> np.ndarray:

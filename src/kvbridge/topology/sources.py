@@ -7,6 +7,7 @@ is read from exactly one, chosen by ``(layer + d_tp_rank) % holders`` to spread 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kvbridge.errors import TopologyError
@@ -46,26 +47,34 @@ def sources(spec: ModelSpec, p_par: Parallel, d_par: Parallel, d_rank: int) -> l
             for seg_i, seg in enumerate(s.segments):
                 a, b = shard_interval(seg.units, d_par.tp, d_tp, s.replicated)
                 held = [
-                    (r, shard_interval(seg.units, p_par.tp, r, s.replicated))
-                    for r in range(p_par.tp)
+                    shard_interval(seg.units, p_par.tp, r, s.replicated) for r in range(p_par.tp)
                 ]
-                owner = []
-                for u in range(a, b):
-                    holders = [r for r, (lo, hi) in held if lo <= u < hi]
+                for start, stop, holders in _holders(a, b, held):
                     if not holders:
-                        raise TopologyError(f"layer {li} {s.name}: no P rank holds unit {u}")
-                    owner.append(p_stage * p_par.tp + holders[(li + d_tp) % len(holders)])
-                pieces.extend(_intervals(li, s.name, seg_i, a, owner))
+                        raise TopologyError(f"layer {li} {s.name}: no P rank holds unit {start}")
+                    src = p_stage * p_par.tp + holders[(li + d_tp) % len(holders)]
+                    if pieces and _continues(pieces[-1], li, s.name, seg_i, src, start):
+                        last = pieces.pop()
+                        start = last.start
+                    pieces.append(Piece(li, s.name, seg_i, src, start, stop))
     return pieces
 
 
-def _intervals(layer: int, stream: str, seg: int, start: int, owner: list[int]) -> list[Piece]:
-    out: list[Piece] = []
-    i = 0
-    while i < len(owner):
-        j = i
-        while j + 1 < len(owner) and owner[j + 1] == owner[i]:
-            j += 1
-        out.append(Piece(layer, stream, seg, owner[i], start + i, start + j + 1))
-        i = j + 1
+def _holders(a: int, b: int, held: list[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
+    """``[a, b)`` cut where the set of P ranks holding a unit changes: ``(start, stop,
+    holders)`` in order (ranks ascending), one entry per cut."""
+    cuts = sorted({a, b} | {x for lo, hi in held for x in (lo, hi) if a < x < b})
+    out = []
+    for start, stop in itertools.pairwise(cuts):
+        out.append((start, stop, [r for r, (lo, hi) in enumerate(held) if lo <= start < hi]))
     return out
+
+
+def _continues(last: Piece, layer: int, stream: str, seg: int, src: int, start: int) -> bool:
+    return (last.layer, last.stream, last.segment, last.src_rank, last.stop) == (
+        layer,
+        stream,
+        seg,
+        src,
+        start,
+    )
