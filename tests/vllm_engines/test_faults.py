@@ -14,7 +14,7 @@ import pytest
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.integrations.vllm.harness import Engine, connector_totals
-from tests.vllm_engines.conftest import closing, pd, prompts, start
+from tests.vllm_engines.conftest import closing, pd, prompts, release_at_p, start
 
 pytestmark = pytest.mark.vllm
 
@@ -61,6 +61,7 @@ def test_bad_handles_fail_then_recompute(engines: tuple[Engine, ...]) -> None:
     # D still serves P/D requests afterwards
     more = prompts(31, (120,))
     assert pd(p, d, more) == [o.tokens for o in p.generate(more, 16)]
+    release_at_p([o.kv_transfer_params for o in pre])
 
 
 def test_fail_policy_then_killed_p(engines: tuple[Engine, ...], models: Path) -> None:
@@ -83,6 +84,7 @@ def test_fail_policy_then_killed_p(engines: tuple[Engine, ...], models: Path) ->
         assert out[0].tokens == ref[0] and out[0].finish_reason == "length"
         assert out[1].finish_reason == "error" and out[1].tokens == []
         assert failed(own) == 1
+        release_at_p([pre[1].kv_transfer_params])
         # the engine keeps serving P/D requests after the failure
         more = prompts(34, (90,))
         assert pd(p, own, more) == [o.tokens for o in p.generate(more, 16)]

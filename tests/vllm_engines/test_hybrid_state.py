@@ -32,7 +32,7 @@ from kvbridge.integrations.vllm.harness import (
     scramble_state,
     ssm_state_itemsize,
 )
-from tests.vllm_engines.conftest import closing, pd, prompts, start_all
+from tests.vllm_engines.conftest import closing, pd, prompts, release_at_p, start_all
 
 pytestmark = pytest.mark.vllm
 
@@ -103,6 +103,7 @@ def test_missing_state_slot_fails_alone_then_recomputes(granite: tuple[Engine, .
     after = totals(d)
     assert after["loads_ok"] - before.get("loads_ok", 0) == 1
     assert after["loads_failed"] - before.get("loads_failed", 0) == 1
+    release_at_p([other])
 
 
 def handle_tables(params: dict[str, object] | None) -> list[list[int]]:
