@@ -305,3 +305,27 @@ def test_loads_waiting_for_a_handshake_with_a_dead_p_fail_with_it():
     finally:
         hole.close()
         w.close()
+
+
+def test_loads_queued_for_a_dead_p_fail_within_one_timeout():
+    """Five loads for a P that never answers, more than D's two workers: those still in
+    the queue when the handshake timed out fail at once too (one timeout, not three)."""
+    w = World(timeout_s=1.5)
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    try:
+        c = w.consumers[0]
+        handle, d_tabs = w.request("ok", 30)
+        end = f"tcp://127.0.0.1:{hole.getsockname()[1]}"
+        t0 = time.monotonic()
+        for i in range(5):
+            c.load(forged(handle, request_id=f"q{i}", engine_id="hung", endpoint=end), d_tabs)
+        outs = w.wait(5, timeout=8)
+        took = time.monotonic() - t0
+        assert len(outs) == 5 and not any(o.ok for o in outs)
+        assert all("no reply within 1500 ms" in (o.error or "") for o in outs)
+        assert took < 2.6, took
+    finally:
+        hole.close()
+        w.close()

@@ -208,3 +208,13 @@ def test_unique_rows_is_numpys_unique_over_rows(n: int, k: int, span: int, seed:
     want_u, want_inv = np.unique(rows, axis=0, return_inverse=True)
     assert np.array_equal(got_u, want_u)
     assert np.array_equal(got_inv, want_inv.reshape(-1))
+
+
+def test_unique_rows_of_int32_near_its_limits() -> None:
+    """Keys are built in int64 whatever the input's integer type (no wrap-around)."""
+    big = np.iinfo(np.int32).max
+    rows = np.array([[big, -big, 1], [-big, big, 2], [big, -big, 1], [0, 0, 0]], np.int32)
+    got_u, got_inv = unique_rows(rows)
+    want_u, want_inv = np.unique(rows, axis=0, return_inverse=True)
+    assert np.array_equal(got_u, want_u)
+    assert np.array_equal(got_inv, want_inv.reshape(-1))

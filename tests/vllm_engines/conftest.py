@@ -106,7 +106,8 @@ def release_at_p(params: list[dict[str, object] | None]) -> None:
         client = Client(h.endpoint, secret, 10.0)
         try:
             op = LeaseOp("fail", h.request_id, h.lease_id, digest, "tests", 0, 1)
-            assert client.call(op).state == "held"  # type: ignore[attr-defined]
+            # expired: the lease ran out first (a slow run); nothing left to end
+            assert client.call(op).state in ("held", "expired")  # type: ignore[attr-defined]
         finally:
             client.close()
 

@@ -143,9 +143,9 @@ class Consumer:
         job.lap("queue")
         try:
             job.move(LoadState.HANDSHAKE)
-            peer = job.peer = self.peers.get(job.handle)
+            peer = job.peer = self.peers.get(job.handle, since=job.queued)
             job.lap("handshake")
-            self._lease(peer, job, "begin")
+            self._lease(peer, job, "begin", since=job.queued)
             job.lap("lease")
             plan = peer.geometry.plan(
                 job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
@@ -303,13 +303,15 @@ class Consumer:
                 raise TransferTimeout(f"push notifications missing after {self.timeout_s} s")
             time.sleep(0.0005)
 
-    def _lease(self, peer: Peer | Client, job: _Load, op: LeaseOpName) -> LeaseReply:
+    def _lease(
+        self, peer: Peer | Client, job: _Load, op: LeaseOpName, since: float | None = None
+    ) -> LeaseReply:
         h = job.handle
         digest = tables_digest(h.block_tables, h.n_tokens)
         msg = LeaseOp(
             op, h.request_id, h.lease_id, digest, self.engine_id, self.rank, self.par.world
         )
-        reply = (peer if isinstance(peer, Client) else peer.client).call(msg)
+        reply = (peer if isinstance(peer, Client) else peer.client).call(msg, since)
         if not isinstance(reply, LeaseReply):
             raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
         if reply.state == "mismatch":

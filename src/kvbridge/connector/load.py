@@ -66,6 +66,9 @@ class _Load:
     state: LoadState = LoadState.QUEUED
     stages: dict[str, float] = field(default_factory=dict)
     mark: float = field(default_factory=time.perf_counter)
+    queued: float = field(default_factory=time.monotonic)
+    """When :meth:`Consumer.load` queued it: a P that left a call unanswered since then
+    fails it at once (:meth:`Client.call`'s ``since``)."""
     posted: int = 0
     staged_runs: int = 0
     peer: Peer | None = None

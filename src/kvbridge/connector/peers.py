@@ -59,8 +59,8 @@ class PeerCache:
     ones evicted), one handshake at a time per engine id (others wait for it, loads to
     other engines do not), and a P is replaced only by a handshake that succeeded with
     the engine id and epoch the handle names: a forged or stale handle costs its own
-    load, never a working link. Loads that waited for a handshake which got no answer
-    from their endpoint fail with it at once (P down: one timeout, not one per load)."""
+    load, never a working link. Loads queued before a handshake with their endpoint got
+    no answer fail with it at once (P down: one timeout, not one per load)."""
 
     def __init__(
         self,
@@ -98,10 +98,12 @@ class PeerCache:
     def __len__(self) -> int:
         return len(self._peers)
 
-    def get(self, handle: TransferHandle) -> Peer:
+    def get(self, handle: TransferHandle, since: float | None = None) -> Peer:
         """The peer of ``handle`` (handshakes if new or if P restarted: new epoch),
-        counted in use until :meth:`done`."""
-        eid, asked = handle.engine_id, time.monotonic()
+        counted in use until :meth:`done`. ``since`` (``time.monotonic()``, default now):
+        fail at once if a handshake with the handle's endpoint got no answer after it."""
+        eid = handle.engine_id
+        asked = time.monotonic() if since is None else since
         while True:
             with self._lock:
                 peer = self._peers.get(eid)
@@ -129,6 +131,7 @@ class PeerCache:
                         self._unreachable.pop(next(iter(self._unreachable)))
                 raise
             with self._lock:
+                self._unreachable.pop(handle.endpoint, None)
                 old = self._peers.pop(eid, None)
                 self._peers[eid] = new
                 new.users += 1

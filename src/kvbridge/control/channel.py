@@ -140,8 +140,9 @@ def reachable_address() -> str:
 class Client:
     """Blocking request/reply to one endpoint with a timeout; thread-safe (calls take
     turns). A call that waited its turn behind a call that timed out fails at once with
-    the same :class:`TransportError` rather than waiting out a timeout of its own: when P
-    is down, the loads queued for it fail within one timeout, not one each."""
+    the same :class:`TransportError` rather than waiting out a timeout of its own (and so
+    does one whose caller's work was queued before that timeout: ``since``): when P is
+    down, the loads queued for it fail within one timeout, not one each."""
 
     def __init__(
         self, endpoint: str, secret: bytes, timeout_s: float = 5.0, keys: Keys | None = None
@@ -203,15 +204,17 @@ class Client:
                 )
         raise zmq.Again()
 
-    def call(self, msg: Message) -> Message:
-        """Send ``msg``, return the reply; an :class:`ErrorReply` is raised as PeerError."""
+    def call(self, msg: Message, since: float | None = None) -> Message:
+        """Send ``msg``, return the reply; an :class:`ErrorReply` is raised as PeerError.
+        ``since`` (``time.monotonic()``, default now): fail at once if a call to this
+        endpoint timed out after it (no success in between)."""
         frame = seal(msg, self.secret)
         if len(frame) > MAX_FRAME:
             raise PeerError(
                 f"{type(msg).__name__} of {len(frame)} B exceeds the {MAX_FRAME}-byte frame "
                 f"limit; not sent to {self.endpoint}"
             )
-        asked = time.monotonic()
+        asked = time.monotonic() if since is None else since
         with self._lock:
             if self._timed_out_at >= asked:
                 raise TransportError(
@@ -235,6 +238,7 @@ class Client:
             except zmq.ZMQError as e:
                 self._reset()
                 raise TransportError(f"side channel {self.endpoint}: {e}") from None
+            self._timed_out_at = -float("inf")  # P answers again
         reply = unseal(frame, self.secret)
         if isinstance(reply, ErrorReply):
             raise PeerError(f"{self.endpoint} refused: {reply.kind}: {reply.message}")

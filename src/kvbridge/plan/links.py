@@ -183,10 +183,10 @@ def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = rows.min(axis=0), rows.max(axis=0)
     span = [int(h) - int(lo_) + 1 for lo_, h in zip(lo.tolist(), hi.tolist(), strict=True)]
     if np.prod(np.array(span, dtype=np.float64)) < 2.0**62:
-        key = rows[:, 0] - lo[0]
+        key = rows[:, 0].astype(np.int64) - int(lo[0])
         for c in range(1, k):
             key *= span[c]
-            key += rows[:, c] - lo[c]
+            key += rows[:, c].astype(np.int64) - int(lo[c])
         order = np.argsort(key)
         srt_key = key[order]
         new = np.empty(n, bool)

@@ -49,14 +49,15 @@ def sources(spec: ModelSpec, p_par: Parallel, d_par: Parallel, d_rank: int) -> l
                 held = [
                     shard_interval(seg.units, p_par.tp, r, s.replicated) for r in range(p_par.tp)
                 ]
+                own: list[Piece] = []  # pieces merge within this segment only
                 for start, stop, holders in _holders(a, b, held):
                     if not holders:
                         raise TopologyError(f"layer {li} {s.name}: no P rank holds unit {start}")
                     src = p_stage * p_par.tp + holders[(li + d_tp) % len(holders)]
-                    if pieces and _continues(pieces[-1], li, s.name, seg_i, src, start):
-                        last = pieces.pop()
-                        start = last.start
-                    pieces.append(Piece(li, s.name, seg_i, src, start, stop))
+                    if own and own[-1].src_rank == src and own[-1].stop == start:
+                        start = own.pop().start
+                    own.append(Piece(li, s.name, seg_i, src, start, stop))
+                pieces += own
     return pieces
 
 
@@ -68,13 +69,3 @@ def _holders(a: int, b: int, held: list[tuple[int, int]]) -> list[tuple[int, int
     for start, stop in itertools.pairwise(cuts):
         out.append((start, stop, [r for r, (lo, hi) in enumerate(held) if lo <= start < hi]))
     return out
-
-
-def _continues(last: Piece, layer: int, stream: str, seg: int, src: int, start: int) -> bool:
-    return (last.layer, last.stream, last.segment, last.src_rank, last.stop) == (
-        layer,
-        stream,
-        seg,
-        src,
-        start,
-    )
