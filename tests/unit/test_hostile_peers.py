@@ -277,55 +277,53 @@ def test_calls_queued_behind_a_timed_out_call_fail_at_once():
         server.close()
 
 
-def test_loads_waiting_for_a_handshake_with_a_dead_p_fail_with_it():
-    """Two loads for a P that accepts connections but never answers (a hung or dead P):
-    the second waits for the first one's handshake and fails when it does, within one
-    timeout rather than two; D then still loads from a live P."""
+def load_from_hung_p(
+    rids: list[str],
+) -> tuple[World, list[str], TransferHandle, list[list[int]], float]:
+    """A World (1.5 s timeout), loads ``rids`` for a "P" that accepts connections but never
+    answers (hung or dead), and waits for their outcomes; the World (close it), their
+    errors, a good handle with its D tables, and the seconds the failures took."""
     w = World(timeout_s=1.5)
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(8)
     try:
-        c = w.consumers[0]
         handle, d_tabs = w.request("ok", 30)
         end = f"tcp://127.0.0.1:{hole.getsockname()[1]}"
         t0 = time.monotonic()
-        for rid in ("hung-1", "hung-2"):
-            c.load(forged(handle, request_id=rid, engine_id="hung", endpoint=end), d_tabs)
-        outs = w.wait(2, timeout=6)
+        for rid in rids:
+            hung = forged(handle, request_id=rid, engine_id="hung", endpoint=end)
+            w.consumers[0].load(hung, d_tabs)
+        outs = w.wait(len(rids), timeout=8)
         took = time.monotonic() - t0
-        assert sorted(o.request_id for o in outs) == ["hung-1", "hung-2"]
+        assert sorted(o.request_id for o in outs) == sorted(rids)
         assert not any(o.ok for o in outs)
         assert all("no reply within 1500 ms" in (o.error or "") for o in outs)
-        assert sum("while this load waited" in (o.error or "") for o in outs) == 1
+        return w, [o.error or "" for o in outs], handle, d_tabs, took
+    except BaseException:
+        w.close()
+        raise
+    finally:
+        hole.close()
+
+
+def test_loads_waiting_for_a_handshake_with_a_dead_p_fail_with_it():
+    """Two loads for a hung P: the second waits for the first one's handshake and fails
+    when it does, within one timeout rather than two; D then still loads from a live P."""
+    w, errors, handle, d_tabs, took = load_from_hung_p(["hung-1", "hung-2"])
+    try:
+        assert sum("while this load waited" in e for e in errors) == 1
         assert took < 2.6, took  # two turns of 1.5 s without the rule
-        c.load(handle, d_tabs)
+        w.consumers[0].load(handle, d_tabs)
         (out,) = w.wait(timeout=5)
         assert out.ok and out.request_id == "ok"
     finally:
-        hole.close()
         w.close()
 
 
 def test_loads_queued_for_a_dead_p_fail_within_one_timeout():
-    """Five loads for a P that never answers, more than D's two workers: those still in
-    the queue when the handshake timed out fail at once too (one timeout, not three)."""
-    w = World(timeout_s=1.5)
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(8)
-    try:
-        c = w.consumers[0]
-        handle, d_tabs = w.request("ok", 30)
-        end = f"tcp://127.0.0.1:{hole.getsockname()[1]}"
-        t0 = time.monotonic()
-        for i in range(5):
-            c.load(forged(handle, request_id=f"q{i}", engine_id="hung", endpoint=end), d_tabs)
-        outs = w.wait(5, timeout=8)
-        took = time.monotonic() - t0
-        assert len(outs) == 5 and not any(o.ok for o in outs)
-        assert all("no reply within 1500 ms" in (o.error or "") for o in outs)
-        assert took < 2.6, took
-    finally:
-        hole.close()
-        w.close()
+    """Five loads for a hung P, more than D's two workers: those still in the queue when
+    the handshake timed out fail at once too (one timeout, not three)."""
+    w, _, _, _, took = load_from_hung_p([f"q{i}" for i in range(5)])
+    w.close()
+    assert took < 2.6, took
