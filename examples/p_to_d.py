@@ -100,7 +100,7 @@ def main() -> None:
     d_tables = [[int(b) for b in rng.permutation(d_blocks)[: -(-n_tokens // 32)]]]
     consumer.load(TransferHandle.from_bytes(wire), d_tables, 0)  # 0 tokens cached on D
     outcome = wait(consumer)  # ok, or failed (then: recompute those blocks)
-    freed = producer.freed()  # requests whose blocks P may reuse now
+    freed = producer.freed(wait_for=1)  # P may reuse these blocks (D confirms after its outcome)
 
     checked = check(p_layouts, p_memory, d_layout, d_memory, p_tables[0], d_tables[0], n_tokens)
     print(

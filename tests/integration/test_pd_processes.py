@@ -116,7 +116,7 @@ def test_byte_exact(name, make, p_tp, d_tp, p_lay, d_lay, p_bs, d_bs, mode):
             assert all(o[rid].ok for o in outs), [o[rid].error for o in outs]
             diffs = pair.d.call(Verify(rid, n, cached, d_tabs))
             assert diffs == [0] * d_tp
-        freed = pair.producer.freed()
+        freed = pair.producer.freed(wait_for=2)
         assert sorted((f.request_id, f.reason) for f in freed) == [
             ("a", LeaseState.DONE),
             ("b", LeaseState.DONE),
@@ -187,7 +187,7 @@ def test_200_concurrent_requests():
             ids.append(f"c{i}")
         outs = pair.wait(ids, timeout=60)
         assert all(len(o) == 200 and all(x.ok for x in o.values()) for o in outs)
-        freed = pair.producer.freed()
+        freed = pair.producer.freed(wait_for=200)
         assert len(freed) == 200 and {f.reason for f in freed} == {LeaseState.DONE}
         assert pair.producer.leases.held() == 0
     finally:

@@ -48,7 +48,7 @@ def test_byte_exact_between_two_hosts(hosts, mode):
             (outs,) = pr.wait([rid])
             assert outs[rid].ok, outs[rid].error
             assert pr.d.call(Verify(rid, n, cached, d_tabs)) == [0]
-        assert {f.reason for f in pr.producer.freed()} == {LeaseState.DONE}
+        assert {f.reason for f in pr.producer.freed(wait_for=2)} == {LeaseState.DONE}
     finally:
         pr.close()
 

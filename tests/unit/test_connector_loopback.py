@@ -142,7 +142,7 @@ def test_pull_is_byte_exact_and_frees_p_blocks_once(world):
     assert out.ok, out.error
     assert out.bytes > 0
     check_bytes(world, before, 45, 0, d_tabs)
-    freed = world.producer.freed()
+    freed = world.producer.freed(wait_for=1)
     assert [(f.request_id, f.reason) for f in freed] == [("r1", LeaseState.DONE)]
     assert world.producer.freed() == []
 
@@ -159,7 +159,7 @@ def test_partial_and_full_prefix_hit(world):
     world.consumers[0].load(h3, d3, cached=60)
     (out,) = world.wait()
     assert out.ok and out.bytes == 0
-    assert {f.request_id for f in world.producer.freed()} == {"a", "b", "c"}
+    assert {f.request_id for f in world.producer.freed(wait_for=3)} == {"a", "b", "c"}
 
 
 def test_lapsed_lease_is_reported_failed_never_successful():

@@ -63,3 +63,36 @@ def test_renewals_cannot_hold_a_lease_past_its_maximum() -> None:
     clock.now = 12.0
     assert table.on_op(op("renew")).state == "expired"
     assert [f.reason for f in table.drain_freed()] == [LeaseState.EXPIRED]
+
+
+def test_an_abort_waits_for_the_d_ranks_that_began() -> None:
+    """A D rank that began may count on the time its begin reply granted: P's abort
+    frees only when every rank that began has reported (or at the deadline)."""
+    clock = Clock(0.0)
+    table = LeaseTable(30.0, clock)
+    table.grant("r1", "L1", [[3, 4]], "digest")
+    assert table.on_op(op("begin", 0)) == LeaseReply("held", 30.0)
+    assert table.abort("r1") and not table.abort("r1")
+    assert table.drain_freed() == []  # rank 0 is still reading
+    assert table.on_op(op("begin", 1)).state == "expired"  # no new reader
+    assert table.on_op(op("renew", 1)).state == "expired"
+    clock.now = 10.0
+    assert table.on_op(op("confirm", 0)) == LeaseReply("held", 20.0)  # its bytes stood
+    assert [f.reason for f in table.drain_freed()] == [LeaseState.ABORTED]
+    assert table.held() == 0
+
+
+def test_an_abort_with_no_reader_frees_at_once_and_a_waiting_one_expires() -> None:
+    clock = Clock(0.0)
+    table = LeaseTable(30.0, clock)
+    table.grant("r1", "L1", [[3, 4]], "digest")
+    table.grant("r2", "L1", [[5]], "digest")
+    assert table.on_op(LeaseOp("fail", "r1", "L1", "digest", "D", 0, 2)).state == "held"
+    assert table.abort("r1")  # its only reader reported: nothing is reading
+    assert [f.request_id for f in table.drain_freed()] == ["r1"]
+    assert table.on_op(LeaseOp("begin", "r2", "L1", "digest", "D", 1, 2)).state == "held"
+    assert table.abort("r2")
+    clock.now = 29.0
+    assert table.drain_freed() == []
+    clock.now = 30.0  # the reader never reported: freed at the deadline it was granted
+    assert [f.reason for f in table.drain_freed()] == [LeaseState.EXPIRED]

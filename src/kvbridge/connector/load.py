@@ -56,6 +56,9 @@ class Outcome:
     staged_runs: int = 0
     """Runs moved through the staging area (``descriptors`` counts what was posted:
     the direct runs plus the staged spans)."""
+    verified: str = ""
+    """How success was established: ``lease time`` (the last byte landed well within the
+    time P's ``begin`` reply granted) or ``at P`` (P answered that the lease still held)."""
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ instance, scheduler side) serves handshakes and leases on the side channel, retu
 from __future__ import annotations
 
 import secrets
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -226,9 +227,16 @@ class Producer:
     def abort(self, request_id: str) -> bool:
         return self.leases.abort(request_id)
 
-    def freed(self) -> list[Freed]:
-        """Requests whose blocks may be reused now (each reported once)."""
-        return self.leases.drain_freed()
+    def freed(self, wait_for: int = 0, timeout_s: float = 5.0) -> list[Freed]:
+        """Requests whose blocks may be reused now (each reported once). ``wait_for``:
+        wait up to ``timeout_s`` until at least that many ended (a D rank's ``confirm``
+        follows its outcome, so a lease may end just after D reported the load done)."""
+        out = self.leases.drain_freed()
+        end = time.monotonic() + timeout_s
+        while len(out) < wait_for and time.monotonic() < end:
+            time.sleep(0.001)
+            out += self.leases.drain_freed()
+        return out
 
     def _handle(self, msg: Message) -> Message:
         if isinstance(msg, Handshake):

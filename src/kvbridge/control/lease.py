@@ -10,6 +10,13 @@ answered ``held`` only while the lease is HELD and before its deadline; anything
 read after P may have reused the blocks. Each D rank's ``begin`` is accepted once (a
 second is ``refused``), and renewals never hold a lease past ``max_hold_s`` after it was
 granted: a D that stalls, or keeps renewing, cannot pin P's blocks for ever.
+
+An abort frees at once only when no D rank is reading: once a rank's ``begin`` was
+answered ``held``, P keeps the blocks until that rank reports or the deadline passes
+(then ABORTED; EXPIRED if the deadline comes first). A rank may then count the lease as held for
+as long as the ``begin`` reply said, without asking again after its last byte landed
+(:meth:`kvbridge.connector.consumer.Consumer` does, within half that time). While an
+abort waits, ``begin`` and ``renew`` are answered ``expired``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class Lease:
     reported: set[int] = field(default_factory=set)
     begun: set[int] = field(default_factory=set)
     granted: float = 0.0
+    aborting: bool = False
+    """Aborted while a D rank that began had not reported: freed once they have."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,8 @@ class LeaseTable:
                 return LeaseReply("mismatch")
             if op.op == "begin" and op.d_rank in lease.begun:
                 return LeaseReply("refused")
+            if lease.aborting and op.op in ("begin", "renew"):
+                return LeaseReply("expired")
             if op.op in ("begin", "renew"):
                 if op.op == "begin":
                     lease.begun.add(op.d_rank)
@@ -111,16 +122,25 @@ class LeaseTable:
                 lease.deadline = max(lease.deadline, until)
             else:  # confirm / fail: this D rank is finished with the blocks
                 lease.reported.add(op.d_rank)
-                if len(lease.reported) >= op.d_world:
+                left = max(lease.deadline - self.clock(), 0.0)
+                if lease.aborting and lease.begun <= lease.reported:
+                    self._move(lease, Event.ABORT)
+                elif len(lease.reported) >= op.d_world:
                     self._move(lease, Event.ALL_REPORTED)
+                return LeaseReply("held", left)
             return LeaseReply("held", max(lease.deadline - self.clock(), 0.0))
 
     def abort(self, request_id: str) -> bool:
+        """End ``request_id``'s lease for P's own reasons; False if it holds none (or is
+        already aborting). D ranks still reading keep its blocks until they report."""
         with self._lock:
             lease = self._held.get(request_id)
-            if lease is None:
+            if lease is None or lease.aborting:
                 return False
-            self._move(lease, Event.ABORT)
+            if lease.begun <= lease.reported:
+                self._move(lease, Event.ABORT)
+            else:
+                lease.aborting = True
             return True
 
     def drain_freed(self) -> list[Freed]:

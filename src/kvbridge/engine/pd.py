@@ -110,7 +110,9 @@ class PrefillServer:
         return producer
 
     def prefill(self, req_id: str, prompt: Sequence[int]) -> TransferHandle:
-        """Compute the prompt and hold its blocks under a lease; → the handle for D."""
+        """Compute the prompt and hold its blocks under a lease; → the handle for D.
+        First frees what leases ended since (a D rank confirms after its outcome)."""
+        self._free_ended()
         pre = self.engine.prefill(req_id, prompt)
         tables = [list(t) for t in pre.tables]
         payload = _TOKEN.pack(pre.first_token)
@@ -118,9 +120,13 @@ class PrefillServer:
 
     def release(self, req_id: str) -> None:
         """D is finished with ``req_id`` (or gave up): end its lease, free what P may."""
-        producer = self._coordinator()
-        producer.abort(req_id)  # no-op when every D rank has already reported
-        for freed in producer.freed():
+        self._coordinator().abort(req_id)  # no-op when every D rank has already reported
+        self._free_ended()
+
+    def _free_ended(self) -> None:
+        """Free the blocks of the requests whose leases ended (a D rank still reading an
+        aborted request keeps them until it reports: :mod:`kvbridge.control.lease`)."""
+        for freed in self._coordinator().freed():
             self.engine.free(freed.request_id)
 
     def close(self) -> None:

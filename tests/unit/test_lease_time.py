@@ -1,0 +1,82 @@
+"""D counts a load done without a second round trip when its last byte landed within
+half the lease time P granted at ``begin``; otherwise it asks P. Transfers are held
+back with the loopback transport's stall, so the times are the test's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvbridge.control.lease import LeaseState
+from tests.unit.test_connector_loopback import World, check_bytes
+
+
+def slow_load(w: World, rid: str, n: int, land_after: float, abort_after: float = -1.0):
+    """Load ``rid`` with every READ held back ``land_after`` s (P's abort at
+    ``abort_after``, if ≥ 0); → (outcome, D's buffers before, D's tables)."""
+    d = w.consumers[0].transport
+    for r in range(w.p.par.world):
+        d.stall(f"p{r}")  # type: ignore[attr-defined]
+    before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+    handle, d_tabs = w.request(rid, n)
+    w.consumers[0].load(handle, d_tabs)
+    if abort_after >= 0:
+        time.sleep(abort_after)
+        assert w.producer.abort(rid)
+        assert w.producer.freed() == []  # D's rank began and has not reported
+    timer = threading.Timer(max(land_after - max(abort_after, 0), 0), _resume, (w,))
+    timer.start()
+    try:
+        (out,) = w.wait(timeout=land_after + 10)
+    finally:
+        timer.join()
+    return out, before, d_tabs
+
+
+def _resume(w: World) -> None:
+    for r in range(w.p.par.world):
+        w.consumers[0].transport.resume(f"p{r}")  # type: ignore[attr-defined]
+
+
+def test_a_fast_load_is_done_on_lease_time_and_p_frees_after_the_confirm():
+    w = World()
+    try:
+        handle, d_tabs = w.request("fast", 45)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok and out.verified == "lease time", out
+        assert [f.reason for f in w.producer.freed(wait_for=1)] == [LeaseState.DONE]
+    finally:
+        w.close()
+
+
+def test_p_aborting_while_d_reads_keeps_the_blocks_until_d_reports():
+    w = World(lease_s=30.0)
+    try:
+        out, before, d_tabs = slow_load(w, "x", 45, land_after=0.6, abort_after=0.3)
+        assert out.ok and out.verified == "lease time", out
+        check_bytes(w, before, 45, 0, d_tabs)
+        assert [f.reason for f in w.producer.freed(wait_for=1)] == [LeaseState.ABORTED]
+    finally:
+        w.close()
+
+
+def test_a_load_slower_than_half_the_lease_asks_p():
+    w = World(lease_s=2.0)
+    try:
+        out, before, d_tabs = slow_load(w, "slow", 45, land_after=1.2)
+        assert out.ok and out.verified == "at P", out
+        check_bytes(w, before, 45, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_a_lease_that_lapses_during_the_transfer_fails_the_load():
+    w = World(lease_s=0.6)
+    try:
+        out, _, d_tabs = slow_load(w, "lapsed", 45, land_after=0.9)
+        assert not out.ok and "LeaseExpired" in out.error, out
+        assert out.failed_blocks[0] == d_tabs[0]
+        assert [f.reason for f in w.producer.freed()] == [LeaseState.EXPIRED]
+    finally:
+        w.close()
