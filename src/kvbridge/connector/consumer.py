@@ -23,15 +23,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvbridge.connector.fence import Check, Fence, Held
 from kvbridge.connector.handle import TransferHandle, checked_tables
-from kvbridge.connector.load import LoadState, Mode, Outcome, Policy, _Load
+from kvbridge.connector.load import (
+    LoadState,
+    Mode,
+    Outcome,
+    Policy,
+    _Load,
+    checked_reply,
+    lease_op,
+)
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
 from kvbridge.connector.push_staging import StagedPusher, choose_push
 from kvbridge.connector.staging import Stager
 from kvbridge.control.channel import Client
-from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, tables_digest
+from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply
 from kvbridge.control.security import Keys
-from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError, PlanError, TransferTimeout
+from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.runs import Runs
@@ -151,12 +159,15 @@ class Consumer:
             peer = job.peer = self.peers.get(job.handle, since=job.queued)
             job.lap("handshake")
             begun = time.monotonic()
-            left = self._lease(peer, job, "begin", since=job.queued).remaining_s
-            job.lap("lease")
-            plan = peer.geometry.plan(
-                job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
-            )
-            job.lap("plan")
+            reply = peer.client.send(self._op(job, "begin"), since=job.queued)
+            try:  # plan while P answers; nothing is read before it said "held"
+                plan = peer.geometry.plan(
+                    job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
+                )
+            finally:
+                job.lap("plan")
+                left = checked_reply(job.handle, "begin", reply()).remaining_s
+                job.lap("lease")
             job.move(LoadState.TRANSFER)
             if self.mode is Mode.PUSH:
                 self._push(peer, job, plan.runs)
@@ -330,21 +341,11 @@ class Consumer:
     def _lease(
         self, peer: Peer | Client, job: _Load, op: LeaseOpName, since: float | None = None
     ) -> LeaseReply:
-        h = job.handle
-        digest = tables_digest(h.block_tables, h.n_tokens)
-        msg = LeaseOp(
-            op, h.request_id, h.lease_id, digest, self.engine_id, self.rank, self.par.world
-        )
-        reply = (peer if isinstance(peer, Client) else peer.client).call(msg, since)
-        if not isinstance(reply, LeaseReply):
-            raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
-        if reply.state == "mismatch":
-            raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
-        if reply.state == "refused":
-            raise PeerError(f"P refused a second {op} of {h.request_id!r} from this D rank")
-        if reply.state != "held":
-            raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
-        return reply
+        client = peer if isinstance(peer, Client) else peer.client
+        return checked_reply(job.handle, op, client.call(self._op(job, op), since))
+
+    def _op(self, job: _Load, op: LeaseOpName) -> LeaseOp:
+        return lease_op(job.handle, op, self.engine_id, self.rank, self.par.world)
 
     def _report_failure(self, job: _Load) -> None:
         try:

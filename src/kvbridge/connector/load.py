@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer
+from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, Message, tables_digest
+from kvbridge.errors import LeaseExpired, PeerError
 from kvbridge.transport.base import XferHandle
 
 
@@ -52,7 +54,8 @@ class Outcome:
     action: Policy = Policy.RECOMPUTE
     error: str = ""
     stages: dict[str, float] = field(default_factory=dict)
-    """Seconds per stage: queue, handshake, lease, plan, post, transfer, verify."""
+    """Seconds per stage: queue, handshake, plan, lease (what was left to wait for P's
+    ``begin`` reply after planning), post, transfer, verify."""
     staged_runs: int = 0
     """Runs moved through the staging area (``descriptors`` counts what was posted:
     the direct runs plus the staged spans)."""
@@ -92,3 +95,22 @@ class _Load:
         now = time.perf_counter()
         self.stages[stage] = now - self.mark
         self.mark = now
+
+
+def lease_op(h: TransferHandle, op: LeaseOpName, engine_id: str, rank: int, world: int) -> LeaseOp:
+    """D rank ``rank``'s lease message ``op`` about ``h``'s request."""
+    digest = tables_digest(h.block_tables, h.n_tokens)
+    return LeaseOp(op, h.request_id, h.lease_id, digest, engine_id, rank, world)
+
+
+def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseReply:
+    """P's answer to ``op``; anything but ``held`` raised as a typed error."""
+    if not isinstance(reply, LeaseReply):
+        raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
+    if reply.state == "mismatch":
+        raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
+    if reply.state == "refused":
+        raise PeerError(f"P refused a second {op} of {h.request_id!r} from this D rank")
+    if reply.state != "held":
+        raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
+    return reply

@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -208,6 +208,12 @@ class Client:
         """Send ``msg``, return the reply; an :class:`ErrorReply` is raised as PeerError.
         ``since`` (``time.monotonic()``, default now): fail at once if a call to this
         endpoint timed out after it (no success in between)."""
+        return self.send(msg, since)()
+
+    def send(self, msg: Message, since: float | None = None) -> Callable[[], Message]:
+        """:meth:`call` in two halves: send ``msg`` now, return what waits for the reply.
+        This client's other callers wait until it was called: call it soon, from the same
+        thread, whatever happens in between (the caller works while P answers)."""
         frame = seal(msg, self.secret)
         if len(frame) > MAX_FRAME:
             raise PeerError(
@@ -215,34 +221,52 @@ class Client:
                 f"limit; not sent to {self.endpoint}"
             )
         asked = time.monotonic() if since is None else since
-        with self._lock:
+        self._lock.acquire()
+        try:
             if self._timed_out_at >= asked:
                 raise TransportError(
                     f"side channel {self.endpoint}: a call made while this one waited got no "
                     f"reply within {self.timeout_ms} ms (P down or unreachable)"
                 )
             sock, mon = self._socket()
-            try:
+            with self._failing():
                 sock.send(frame)
+        except BaseException:
+            self._lock.release()
+            raise
+        return lambda: self._reply(sock, mon)
+
+    def _reply(self, sock: zmq.Socket, mon: zmq.Socket) -> Message:
+        try:
+            with self._failing():
                 frame = self._recv(sock, mon)
-            except PeerError:
-                self._reset()
-                raise
-            except zmq.Again:
-                self._reset()
-                self._timed_out_at = time.monotonic()
-                raise TransportError(
-                    f"side channel {self.endpoint}: no reply within {self.timeout_ms} ms "
-                    "(P down or unreachable, or no CURVE session: keys or secret differ)"
-                ) from None
-            except zmq.ZMQError as e:
-                self._reset()
-                raise TransportError(f"side channel {self.endpoint}: {e}") from None
             self._timed_out_at = -float("inf")  # P answers again
+        finally:
+            self._lock.release()
         reply = unseal(frame, self.secret)
         if isinstance(reply, ErrorReply):
             raise PeerError(f"{self.endpoint} refused: {reply.kind}: {reply.message}")
         return reply
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """zmq's errors as ours; the socket is dropped (a REQ socket that failed mid-call
+        cannot send again)."""
+        try:
+            yield
+        except PeerError:
+            self._reset()
+            raise
+        except zmq.Again:
+            self._reset()
+            self._timed_out_at = time.monotonic()
+            raise TransportError(
+                f"side channel {self.endpoint}: no reply within {self.timeout_ms} ms "
+                "(P down or unreachable, or no CURVE session: keys or secret differ)"
+            ) from None
+        except zmq.ZMQError as e:
+            self._reset()
+            raise TransportError(f"side channel {self.endpoint}: {e}") from None
 
     def _reset(self) -> None:
         if self._sock is not None:

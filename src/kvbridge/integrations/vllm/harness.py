@@ -107,10 +107,13 @@ class Engine:
         return bool(self._call("reset_prefix_cache"))
 
     def kill(self) -> None:
-        """SIGKILL the engine and every process it started."""
+        """SIGKILL the engine and every process it started (the engine alone if it did
+        not yet lead its process group: then it started none)."""
         if self.proc.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            if self.proc.is_alive():
+                self.proc.kill()
         self.proc.join(10)
 
     def close(self) -> None:
