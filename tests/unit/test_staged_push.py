@@ -8,12 +8,14 @@ round into D's slot; D scatters. Bytes must equal the reference and a direct pus
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge.connector import copies
 from kvbridge.connector.consumer import Consumer, Mode
 from kvbridge.connector.copies import LocalMemory, copy_equal
 from kvbridge.connector.producer import Producer, ProducerWorker
@@ -230,10 +232,12 @@ def test_gather_refuses_a_source_outside_local_memory() -> None:
         max_size=8,
     ),
     seed=st.integers(0, 1000),
+    view_s=st.sampled_from([1e-12, copies.VIEW_S, 1.0]),
 )
-def test_copy_equal_matches_a_loop_on_progressions(size, pieces, seed) -> None:
+def test_copy_equal_matches_a_loop_on_progressions(size, pieces, seed, view_s) -> None:
     """Runs in arithmetic progressions (strided path) or not (gather-scatter) copy as a
-    plain loop does; destinations disjoint, sources anywhere."""
+    plain loop does; destinations disjoint, sources anywhere. ``view_s``: what a strided
+    view is taken to cost (tiny: progressions go strided; large: everything gathers)."""
     rng = np.random.default_rng(seed)
     s_off: list[int] = []
     for count, s_step, _ in pieces:
@@ -250,7 +254,8 @@ def test_copy_equal_matches_a_loop_on_progressions(size, pieces, seed) -> None:
     src = rng.integers(0, 256, max(s_off) + size, dtype=np.uint8)
     dst, want = np.zeros(k * gap, np.uint8), np.zeros(k * gap, np.uint8)
     s = np.array(s_off, np.int64)
-    copy_equal(dst, d_off, src, s, size)
+    with mock.patch.object(copies, "VIEW_S", view_s):
+        copy_equal(dst, d_off, src, s, size)
     for a, b in zip(d_off.tolist(), s_off, strict=True):
         want[a : a + size] = src[b : b + size]
     assert np.array_equal(dst, want)

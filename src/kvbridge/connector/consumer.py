@@ -52,10 +52,10 @@ log = logging.getLogger(__name__)
 
 class Consumer:
     post_runs = 16384
+    """Runs per posted READ request (the deadline is checked between requests)."""
     trust_lease = 0.5
     """A load whose last byte landed within this fraction of the lease time P granted at
     ``begin`` is done without asking P again (:mod:`kvbridge.control.lease`)."""
-    """Runs per posted READ request (the deadline is checked between requests)."""
 
     def __init__(
         self,

@@ -2,9 +2,11 @@
 and scatter of staged transfers (:mod:`kvbridge.connector.staging`,
 :mod:`kvbridge.connector.push_gather`).
 
-Runs that form arithmetic progressions on both sides (a block's rows, sorted) are copied
-as 2-D strided views, one per progression; else one gather-scatter over words as wide as
-every offset allows (a whole run when offsets are multiples of its length).
+Runs that form long arithmetic progressions on both sides (a block's rows, sorted) are
+copied as 2-D strided views, one per progression; else one gather-scatter over words as
+wide as every offset allows (a whole run when offsets are multiples of its length).
+Which is cheaper is :func:`strided_limit`'s call: a view costs a few µs, a run of the
+gather-scatter tens to hundreds of ns, so short progressions of short runs gather.
 Measured (2026-11-25, this VM, 65,536 runs of 1 KiB): progressions of 16 rows in
 shuffled block order 57 → 22 ms (views made with ``np.ndarray(buffer=)`` instead of
 ``as_strided``, a progression no longer split at each block's first row), shuffled runs
@@ -21,6 +23,20 @@ import numpy as np
 
 from kvbridge.errors import TransportError
 from kvbridge.transport.base import Region
+
+VIEW_S = 3.4e-6
+"""Fixed cost of one strided copy (two ``np.ndarray(buffer=)`` views and the assignment)."""
+GATHER_RUN_S = 15e-9
+GATHER_BYTE_S = 0.045e-9
+"""What the gather-scatter costs per run, and per byte beyond a strided copy's cost.
+Measured on the development VM (``tools/bench_copies.py``): progressions of 16 runs of
+1 KiB copy in 1.8 ms per 8 MiB gathered, 2.9 ms as views; of 48 runs, equal."""
+
+
+def strided_limit(runs: int, size: int) -> int:
+    """The most progressions for which ``runs`` runs of ``size`` bytes copy faster as
+    strided views than as one gather-scatter."""
+    return int(runs * (GATHER_RUN_S + size * GATHER_BYTE_S) / VIEW_S)
 
 
 class LocalMemory:
@@ -125,10 +141,10 @@ def _strided(
 ) -> bool:
     """Copy runs that form arithmetic progressions on both sides (a block's rows, sorted)
     as 2-D strided views, at memcpy speed; False (nothing copied) if the runs form too
-    many progressions (then the caller's gather-scatter is cheaper)."""
+    many progressions (:func:`strided_limit`: the caller's gather-scatter is cheaper)."""
     n = d_off.shape[0]
     dd, ds = np.diff(d_off), np.diff(s_off)
-    spans = _segments(_cuts(dd, ds), n, n // 8)
+    spans = _segments(_cuts(dd, ds), n, strided_limit(n, size))
     if spans is None:
         return False
     first = np.array([a for a, _ in spans], dtype=np.int64)
@@ -169,12 +185,11 @@ def _segments(cut: np.ndarray, n: int, limit: int) -> list[tuple[int, int]] | No
     return spans
 
 
-def progressions(d_off: np.ndarray, s_off: np.ndarray) -> int:
-    """How many strided copies :func:`copy_equal` makes of these runs (in order); about
-    the number of step changes when the runs form more than one progression per 8."""
+def progressions(d_off: np.ndarray, s_off: np.ndarray, size: int) -> int | None:
+    """How many strided copies :func:`copy_equal` makes of these runs of ``size`` bytes
+    (in order); None when it gathers them instead (:func:`strided_limit`)."""
     n = int(d_off.shape[0])
     if n < 3:
         return n
-    cut = _cuts(np.diff(d_off), np.diff(s_off))
-    spans = _segments(cut, n, n // 8)
-    return len(spans) if spans is not None else int(cut.shape[0]) + 1
+    spans = _segments(_cuts(np.diff(d_off), np.diff(s_off)), n, strided_limit(n, size))
+    return len(spans) if spans is not None else None

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from kvbridge.connector.copies import LocalMemory, copy_equal, progressions
+from kvbridge.connector.copies import VIEW_S, LocalMemory, copy_equal, progressions
 from kvbridge.connector.spans import Chunk, Regions, chunks
 from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
@@ -46,8 +46,6 @@ MIN_BYTE_S, MAX_BYTE_S = 1e-11, 1e-8
 one lucky transfer moves the estimate, it cannot throw it out."""
 ROUND_TRIP_S = 1e-4
 """Fixed cost of one more transfer round (post, wait) per staged chunk."""
-PROGRESSION_S = 3e-6
-"""Cost of one strided copy (a progression of runs) besides its bytes."""
 
 
 class CostModel:
@@ -75,13 +73,13 @@ class CostModel:
         extra: int = 0,
     ) -> bool:
         """``copies``: local copies of every byte (a staged push: P's gather and D's
-        scatter, 2); ``strides``: progressions the copies make (:func:`progressions`),
-        if known: few (one per 8 runs at most) are copied as strided views; ``extra``:
-        bytes the spans move beyond the runs' (the gaps they read over)."""
+        scatter, 2); ``strides``: strided copies they make (:func:`progressions`; None:
+        they gather-scatter); ``extra``: bytes the spans move beyond the runs' (the gaps
+        they read over)."""
         direct = runs * self.c_desc
         staged = spans * self.c_desc + rounds * ROUND_TRIP_S + max(extra, 0) * self.c_byte
-        if strides is not None and strides * 8 <= runs:
-            copy = strides * PROGRESSION_S + nbytes * self.per_byte_strided
+        if strides is not None:
+            copy = strides * VIEW_S + nbytes * self.per_byte_strided
         else:
             copy = runs * self.per_run + nbytes * self.per_byte
         return staged + copies * copy < direct
@@ -204,7 +202,8 @@ class Stager:
                 continue
             spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
             extra = 0 if push else sum(c.staged_bytes for c in chs) - r.nbytes  # gaps
-            strides = sum(_strides(c, push) for c in chs)
+            each = [_strides(c, push) for c in chs]
+            strides = None if None in each else sum(n for n in each if n is not None)
             copies = 2 if push else 1
             if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), copies, strides, extra):
                 out[src] = chs
@@ -276,7 +275,15 @@ def _read(transport: Transport, agent: str, ch: Chunk, at: int) -> XferHandle:
     )
 
 
-def _strides(c: Chunk, push: bool) -> int:
-    """Strided copies the chunk's scatter makes (and, pushed, P's gather: the more)."""
-    scatter = progressions(c.run_dst, c.run_stage)
-    return max(progressions(c.span_stage, c.span_src), scatter) if push else scatter
+def _strides(c: Chunk, push: bool) -> int | None:
+    """Strided copies the chunk's scatter makes (and, pushed, P's gather: the more);
+    None if either gather-scatters."""
+    scatter = progressions(c.run_dst, c.run_stage, _mean(c.run_len))
+    if not push or scatter is None:
+        return scatter
+    gather = progressions(c.span_stage, c.span_src, _mean(c.span_len))
+    return None if gather is None else max(gather, scatter)
+
+
+def _mean(length: np.ndarray) -> int:
+    return int(length.sum()) // max(int(length.shape[0]), 1)
