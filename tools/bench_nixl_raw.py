@@ -2,11 +2,14 @@
 
 Usage::
 
-    .venv/bin/python tools/bench_nixl_raw.py [--mib 256] [--repeat 5]
+    .venv/bin/python tools/bench_nixl_raw.py [--mib 256] [--repeat 5] [--threads 2]
 
 An owner process (P) registers a ``--mib`` MiB buffer and keeps its agent progressing;
 this process (D) READs all of it in shuffled runs of 4 KiB, 64 KiB and 1 MiB and in
-one contiguous run, through :class:`kvbridge.transport.nixl.NixlTransport`. Reported:
+one contiguous run, through :class:`kvbridge.transport.nixl.NixlTransport`
+(``--threads N``: also the same runs cut into N parts, each posted and waited for by its
+own thread, to see whether parallel posting moves more: NIXL copies inside the post
+over cma and releases the GIL). Reported:
 median GB/s (10^9 B/s) of ``read()`` + ``wait()``, and the host cost per descriptor of
 posting without moving data: ``initialize_xfer`` from Nx3 arrays (the path the
 transport uses) against ``prep_xfer_dlist`` on both sides + ``make_prepped_xfer``,
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -57,6 +61,30 @@ def _throughput(d: NixlTransport, runs: Runs, repeat: int) -> float:
     for _ in range(repeat):
         start = time.perf_counter()
         d.wait(d.read("bench-P", *runs), timeout_s=30.0)
+        seconds.append(time.perf_counter() - start)
+    return float(runs[2].sum()) / statistics.median(seconds) / 1e9
+
+
+def _split(d: NixlTransport, runs: Runs, repeat: int, threads: int) -> float:
+    """As :func:`_throughput`, the runs cut into ``threads`` parts posted in parallel."""
+    parts = [tuple(a[i::threads] for a in runs) for i in range(threads)]
+
+    def one(part: tuple[np.ndarray, ...]) -> None:
+        d.wait(d.read("bench-P", *part), timeout_s=30.0)
+
+    def all_parts() -> None:
+        workers = [threading.Thread(target=one, args=(p,)) for p in parts[1:]]
+        for w in workers:
+            w.start()
+        one(parts[0])
+        for w in workers:
+            w.join()
+
+    all_parts()
+    seconds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        all_parts()
         seconds.append(time.perf_counter() - start)
     return float(runs[2].sum()) / statistics.median(seconds) / 1e9
 
@@ -102,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="bytes moved per pass, MiB")
     parser.add_argument("--repeat", type=int, default=5, help="passes per figure")
+    parser.add_argument("--threads", type=int, default=1, help="also post from N threads")
     args = parser.parse_args()
     total = args.mib * MIB
     ctx = mp.get_context("spawn")
@@ -116,10 +145,14 @@ def main() -> None:
         d.register([Region(local.ctypes.data, local.nbytes)])
         d.add_peer(metadata)
         print(f"READ, 2 processes, {args.mib} MiB, median of {args.repeat}")
-        for run in (4 * KIB, 64 * KIB, MIB, total):
+        for run in (4 * KIB, 64 * KIB, 256 * KIB, MIB, total):
             runs = _runs(local.ctypes.data, remote, total, run)
             label = "contiguous" if run == total else f"{run // KIB} KiB shuffled"
-            print(f"  {label:>18}: {_throughput(d, runs, args.repeat):6.2f} GB/s")
+            line = f"  {label:>18}: {_throughput(d, runs, args.repeat):6.2f} GB/s"
+            if args.threads > 1 and run < total:
+                split = _split(d, runs, args.repeat, args.threads)
+                line += f", from {args.threads} threads {split:6.2f} GB/s"
+            print(line)
         runs = _runs(local.ctypes.data, remote, 10_000 * 4 * KIB, 4 * KIB)
         for key, us in _posting_cost(d, runs, args.repeat).items():
             print(f"  create request, 10k shuffled 4 KiB descriptors, {key}: {us:.3f} µs/desc")

@@ -165,11 +165,14 @@ def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
     mem.scatter(d, stage, off, ln)
     back = np.zeros_like(stage)
     mem.gather(d, back, off, ln)  # the same runs read back
+    covered = [np.zeros(b.nbytes, bool) for b in bufs]
     for a, o, n in zip(d.tolist(), off.tolist(), ln.tolist(), strict=True):
         r = next(i for i, b in enumerate(bufs) if b.ctypes.data <= a < b.ctypes.data + b.nbytes)
         at = a - int(bufs[r].ctypes.data)
         assert np.array_equal(bufs[r][at : at + n], stage[o : o + n])
+        covered[r][at : at + n] = True
     assert np.array_equal(back[: int(ln.sum())], stage[: int(ln.sum())])
+    assert not any(b[~c].any() for b, c in zip(bufs, covered, strict=True))  # nothing else
 
 
 def test_scatter_refuses_lengths_out_of_range_and_takes_uint64_addresses() -> None:
