@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.bench.trace_bench import run_all
+from kvbridge.bench.trace_report import table
 from kvbridge.bench.trace_case import Case
 
 pytestmark = pytest.mark.integration
@@ -30,6 +31,9 @@ def test_tiny_cases_verify_bytes_and_need_no_more_descriptors_than_vllm() -> Non
         assert row["mismatches"] == 0
         assert row["requests"] == 2 and row["e2e_ms_median"] > 0 and row["ratio"] > 0
         assert row["vllm_ms_median"] is not None, row.get("vllm_note")
+        assert row["vllm_ratio"] > 0  # the floor of ×vLLM: vLLM-like's own contiguous ratio
+    text = table(rows)
+    assert text.count(" / ") >= 4 and "×vLLM / floor" in text, text
     direct = [r for r in rows if r["strategy"] == "direct"]
     for row in direct:
         # kvbridge joins runs across blocks; the vLLM-like path posts one per (layer, block)
