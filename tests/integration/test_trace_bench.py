@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.bench.trace_bench import run_all
-from kvbridge.bench.trace_report import table
 from kvbridge.bench.trace_case import Case
+from kvbridge.bench.trace_report import table
 
 pytestmark = pytest.mark.integration
 

@@ -32,15 +32,16 @@ VIEW_S = 3.4e-6
 """Fixed cost of one strided copy (two ``np.ndarray(buffer=)`` views and the assignment)."""
 GATHER_RUN_S = 15e-9
 GATHER_BYTE_S = 0.045e-9
-"""What the gather-scatter costs per run, and per byte beyond a strided copy's cost.
+"""What the gather-scatter costs per word, and per byte beyond a strided copy's cost.
 Measured on the development VM (``tools/bench_copies.py``): progressions of 16 runs of
 1 KiB copy in 1.8 ms per 8 MiB gathered, 2.9 ms as views; of 48 runs, equal."""
 
 
-def strided_limit(runs: int, size: int) -> int:
+def strided_limit(runs: int, size: int, word: int) -> int:
     """The most progressions for which ``runs`` runs of ``size`` bytes copy faster as
-    strided views than as one gather-scatter."""
-    return int(runs * (GATHER_RUN_S + size * GATHER_BYTE_S) / VIEW_S)
+    strided views than as one gather-scatter over ``word``-byte words (a run is
+    ``size // word`` of them: 8-byte words cost about 0.5 GB/s, whole 1 KiB runs 5)."""
+    return int(runs * (size // word) * (GATHER_RUN_S + word * GATHER_BYTE_S) / VIEW_S)
 
 
 class LocalMemory:
@@ -114,11 +115,16 @@ def copy_equal(
         for a, b in zip(d_off.tolist(), s_off.tolist(), strict=True):
             dv[a : a + size] = sv[b : b + size]
         return
-    if _strided(dv, d_off, sv, s_off, size):
-        return
-    # One gather-scatter over words of the widest size every offset and the run length
-    # are multiples of (a run is one word when its offsets are multiples of its size).
-    w = int(np.gcd.reduce(np.concatenate(([size], d_off, s_off))))
+    w = gather_word(d_off, s_off, size)
+    if not _strided(dv, d_off, sv, s_off, size, w):
+        gather_scatter(dv, d_off, sv, s_off, size, w)
+
+
+def gather_scatter(
+    dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int, w: int
+) -> None:
+    """:func:`copy_equal` as one numpy gather-scatter over ``w``-byte words (``w``
+    divides ``size`` and every offset, int64 offsets inside both arrays)."""
     word = np.dtype((np.void, w))
     dw, sw = _words(dv, w, word), _words(sv, w, word)
     if w == size:
@@ -126,6 +132,12 @@ def copy_equal(
         return
     step = np.arange(size // w, dtype=np.int64)
     dw[(d_off // w)[:, None] + step] = sw[(s_off // w)[:, None] + step]
+
+
+def gather_word(d_off: np.ndarray, s_off: np.ndarray, size: int) -> int:
+    """Bytes per word of :func:`copy_equal`'s gather-scatter of these runs: the widest
+    that every offset and the run length are multiples of (``size``: a run is one word)."""
+    return int(np.gcd.reduce(np.concatenate(([size], d_off, s_off))))
 
 
 def _words(v: np.ndarray, w: int, word: np.dtype) -> np.ndarray:
@@ -140,14 +152,14 @@ def _inside(v: np.ndarray, off: np.ndarray, size: int) -> None:
 
 
 def _strided(
-    dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
+    dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int, word: int
 ) -> bool:
     """Copy runs that form arithmetic progressions on both sides (a block's rows, sorted)
     as 2-D strided views, at memcpy speed; False (nothing copied) if the runs form too
     many progressions (:func:`strided_limit`: the caller's gather-scatter is cheaper)."""
     n = d_off.shape[0]
     dd, ds = np.diff(d_off), np.diff(s_off)
-    spans = _segments(_cuts(dd, ds), n, strided_limit(n, size))
+    spans = _segments(_cuts(dd, ds), n, strided_limit(n, size, word))
     if spans is None:
         return False
     first = np.array([a for a, _ in spans], dtype=np.int64)
@@ -194,5 +206,6 @@ def progressions(d_off: np.ndarray, s_off: np.ndarray, size: int) -> int | None:
     n = int(d_off.shape[0])
     if n < 3:
         return n
-    spans = _segments(_cuts(np.diff(d_off), np.diff(s_off)), n, strided_limit(n, size))
+    limit = strided_limit(n, size, gather_word(d_off, s_off, size))
+    spans = _segments(_cuts(np.diff(d_off), np.diff(s_off)), n, limit)
     return len(spans) if spans is not None else None

@@ -27,7 +27,14 @@ import time
 
 import numpy as np
 
-from kvbridge.connector.copies import VIEW_S, LocalMemory, copy_equal, progressions
+from kvbridge.connector.copies import (
+    VIEW_S,
+    LocalMemory,
+    copy_equal,
+    gather_scatter,
+    gather_word,
+    progressions,
+)
 from kvbridge.connector.spans import Chunk, Regions, chunks
 from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
@@ -58,7 +65,8 @@ class CostModel:
     def __init__(self) -> None:
         self.c_desc = DESC_COST_S
         self.c_byte = TRANSFER_S_PER_B
-        self.per_run, self.per_byte = _measure_scatter()
+        self.per_run, self.per_byte = _measure_scatter(whole=False)
+        self.whole_run, self.whole_byte = _measure_scatter(whole=True)
         self.per_byte_strided = _measure_strided()
         self._lock = threading.Lock()
 
@@ -69,17 +77,19 @@ class CostModel:
         nbytes: int,
         rounds: int,
         copies: int = 1,
-        strides: int | None = None,
+        shape: CopyShape = (None, False),
         extra: int = 0,
     ) -> bool:
         """``copies``: local copies of every byte (a staged push: P's gather and D's
-        scatter, 2); ``strides``: strided copies they make (:func:`progressions`; None:
-        they gather-scatter); ``extra``: bytes the spans move beyond the runs' (the gaps
-        they read over)."""
+        scatter, 2); ``shape``: how they copy (:func:`copy_shape`); ``extra``: bytes the
+        spans move beyond the runs' (the gaps they read over)."""
         direct = runs * self.c_desc
         staged = spans * self.c_desc + rounds * ROUND_TRIP_S + max(extra, 0) * self.c_byte
-        if strides is not None:
-            copy = strides * VIEW_S + nbytes * self.per_byte_strided
+        views, whole = shape
+        if views is not None:
+            copy = views * VIEW_S + nbytes * self.per_byte_strided
+        elif whole:
+            copy = runs * self.whole_run + nbytes * self.whole_byte
         else:
             copy = runs * self.per_run + nbytes * self.per_byte
         return staged + copies * copy < direct
@@ -104,19 +114,23 @@ class CostModel:
                 self.c_byte = 0.8 * self.c_byte + 0.2 * min(max(per, MIN_BYTE_S), MAX_BYTE_S)
 
 
-def _measure_scatter() -> tuple[float, float]:
-    """Seconds per run and per byte of :func:`copy_equal`, from two timed copies."""
+def _measure_scatter(whole: bool) -> tuple[float, float]:
+    """Seconds per run and per byte of :func:`copy_equal`'s gather-scatter, from two
+    timed copies of runs in no order: ``whole``, offsets multiples of the run length (a
+    run is one word), else sharing 8 bytes only (8-byte words: the slowest it gets)."""
     src = np.ones(1 << 20, np.uint8)
     dst = np.zeros(1 << 20, np.uint8)
 
     def timed(size: int) -> float:
         off = np.arange(0, (1 << 20) - size, size, dtype=np.int64)
-        off[1::2] += 8  # offsets sharing 8 bytes only: no whole-run words (conservative)
-        shuffled = np.random.default_rng(0).permutation(off)  # no strided shortcut
+        if not whole:
+            off[1::2] += 8
+        shuffled = np.random.default_rng(0).permutation(off)
+        word = gather_word(shuffled, off, size)
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            copy_equal(dst, shuffled, src, off, size)
+            gather_scatter(dst, shuffled, src, off, size, word)
             best = min(best, time.perf_counter() - t0)
         return best
 
@@ -202,10 +216,9 @@ class Stager:
                 continue
             spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
             extra = 0 if push else sum(c.staged_bytes for c in chs) - r.nbytes  # gaps
-            each = [_strides(c, push) for c in chs]
-            strides = None if None in each else sum(n for n in each if n is not None)
+            shape = _shape([copy_shape(c, push) for c in chs])
             copies = 2 if push else 1
-            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), copies, strides, extra):
+            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), copies, shape, extra):
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None
         return (out, slot) if slot is not None else ({}, None)
@@ -275,15 +288,27 @@ def _read(transport: Transport, agent: str, ch: Chunk, at: int) -> XferHandle:
     )
 
 
-def _strides(c: Chunk, push: bool) -> int | None:
-    """Strided copies the chunk's scatter makes (and, pushed, P's gather: the more);
-    None if either gather-scatters."""
-    scatter = progressions(c.run_dst, c.run_stage, _mean(c.run_len))
-    if not push or scatter is None:
-        return scatter
-    gather = progressions(c.span_stage, c.span_src, _mean(c.span_len))
-    return None if gather is None else max(gather, scatter)
+CopyShape = tuple[int | None, bool]
+"""How a staged round's local copies go: ``(strided views, None if they gather-scatter;
+whether the gather-scatter moves whole runs as words)``."""
 
 
-def _mean(length: np.ndarray) -> int:
-    return int(length.sum()) // max(int(length.shape[0]), 1)
+def copy_shape(c: Chunk, push: bool) -> CopyShape:
+    """How the chunk's scatter copies (and, pushed, P's gather too: the costlier)."""
+    out = _one(c.run_dst, c.run_stage, c.run_len)
+    return _shape([out, _one(c.span_stage, c.span_src, c.span_len)]) if push else out
+
+
+def _one(d_off: np.ndarray, s_off: np.ndarray, length: np.ndarray) -> CopyShape:
+    size = int(length.sum()) // max(int(length.shape[0]), 1)
+    views = progressions(d_off, s_off, size)
+    uniform = bool((length == size).all())
+    return views, views is None and uniform and gather_word(d_off, s_off, size) == size
+
+
+def _shape(shapes: list[CopyShape]) -> CopyShape:
+    """Several copies as one: views if all go strided (their sum), else a gather-scatter
+    of whole-run words only if every gathering one is."""
+    if all(v is not None for v, _ in shapes):
+        return sum(v for v, _ in shapes if v is not None), False
+    return None, all(w for v, w in shapes if v is None)
