@@ -26,7 +26,7 @@ def test_replies_carry_the_seconds_left_not_p_clock() -> None:
     clock.now = 1010.0
     assert table.on_op(op("confirm")) == LeaseReply("held", 20.0)
     assert table.on_op(op("renew")) == LeaseReply("held", 30.0)
-    reply = unseal(seal(table.on_op(op("begin")), b"k"), b"k")
+    reply = unseal(seal(table.on_op(op("begin", 1)), b"k"), b"k")
     assert reply == LeaseReply("held", 30.0)
 
 
@@ -96,3 +96,18 @@ def test_an_abort_with_no_reader_frees_at_once_and_a_waiting_one_expires() -> No
     assert table.drain_freed() == []
     clock.now = 30.0  # the reader never reported: freed at the deadline it was granted
     assert [f.reason for f in table.drain_freed()] == [LeaseState.EXPIRED]
+
+
+def test_a_rank_that_reported_cannot_begin_again_and_so_read_past_a_free() -> None:
+    """A rank's ``fail`` before P saw its ``begin`` (or a load retried after an outcome)
+    must not let it begin afterwards: P would count it reported and free the blocks on an
+    abort, or once the other ranks confirm, while it reads them on lease time."""
+    table = LeaseTable(30.0, Clock(0.0))
+    table.grant("r1", "L1", [[3, 4]], "digest")
+    assert table.on_op(op("fail", 0)).state == "held"
+    assert table.on_op(op("begin", 0)).state == "refused"
+    assert table.on_op(op("begin", 1)).state == "held"
+    assert table.abort("r1")
+    assert table.drain_freed() == []  # rank 1 began and has not reported
+    assert table.on_op(op("confirm", 1)).state == "held"
+    assert [f.reason for f in table.drain_freed()] == [LeaseState.ABORTED]

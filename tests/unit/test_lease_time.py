@@ -21,7 +21,7 @@ def slow_load(w: World, rid: str, n: int, land_after: float, abort_after: float 
     handle, d_tabs = w.request(rid, n)
     w.consumers[0].load(handle, d_tabs)
     if abort_after >= 0:
-        time.sleep(abort_after)
+        _until_begun(w, rid, abort_after)
         assert w.producer.abort(rid)
         assert w.producer.freed() == []  # D's rank began and has not reported
     timer = threading.Timer(max(land_after - max(abort_after, 0), 0), _resume, (w,))
@@ -31,6 +31,15 @@ def slow_load(w: World, rid: str, n: int, land_after: float, abort_after: float 
     finally:
         timer.join()
     return out, before, d_tabs
+
+
+def _until_begun(w: World, rid: str, at_least: float) -> None:
+    """Wait ``at_least`` seconds and until P has D's ``begin`` for ``rid`` (≤ 5 s)."""
+    end = time.monotonic() + 5.0
+    time.sleep(at_least)
+    while not w.producer.leases._held[rid].begun:
+        assert time.monotonic() < end, "D's begin did not reach P within 5 s"
+        time.sleep(0.01)
 
 
 def _resume(w: World) -> None:
@@ -75,7 +84,7 @@ def test_a_lease_that_lapses_during_the_transfer_fails_the_load():
     w = World(lease_s=0.6)
     try:
         out, _, d_tabs = slow_load(w, "lapsed", 45, land_after=0.9)
-        assert not out.ok and "LeaseExpired" in out.error, out
+        assert not out.ok and "LeaseExpired" in out.error and "at confirm" in out.error, out
         assert out.failed_blocks[0] == d_tabs[0]
         assert [f.reason for f in w.producer.freed()] == [LeaseState.EXPIRED]
     finally:

@@ -145,7 +145,12 @@ def test_copy_equal_matches_a_run_by_run_copy(case: tuple[int, np.ndarray, np.nd
 @given(seed=st.integers(0, 2**32 - 1))
 def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    bufs = [np.zeros(int(rng.integers(64, 2048)), np.uint8) for _ in range(3)]
+    # three regions carved from one buffer with guard gaps between them: the copies go
+    # through one view spanning all regions, and must never write into a gap
+    sizes = [int(rng.integers(64, 2048)) for _ in range(3)]
+    whole = np.zeros(sum(sizes) + 4 * 64, np.uint8)
+    starts = np.cumsum([64] + [n + 64 for n in sizes[:-1]])
+    bufs = [whole[a : a + n] for a, n in zip(starts, sizes, strict=True)]
     mem = LocalMemory([Region(int(b.ctypes.data), b.nbytes) for b in bufs])
     dst, length, pos = [], [], [0, 0, 0]
     for _ in range(int(rng.integers(1, 80))):  # disjoint runs, region and length at random
@@ -173,6 +178,10 @@ def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
         covered[r][at : at + n] = True
     assert np.array_equal(back[: int(ln.sum())], stage[: int(ln.sum())])
     assert not any(b[~c].any() for b, c in zip(bufs, covered, strict=True))  # nothing else
+    in_region = np.zeros(whole.shape[0], bool)
+    for a, n in zip(starts, sizes, strict=True):
+        in_region[a : a + n] = True
+    assert not whole[~in_region].any()  # the guard gaps stayed untouched
 
 
 def test_scatter_refuses_lengths_out_of_range_and_takes_uint64_addresses() -> None:

@@ -58,8 +58,10 @@ class LocalMemory:
         self.bases = np.array([r.addr for r in order], dtype=np.int64)
         self.ends = self.bases + np.array([r.nbytes for r in order], dtype=np.int64)
         self.origin = int(self.bases[0]) & ~(PAGE - 1) if order else 0
-        span = int(self.ends.max()) - self.origin if order else 0
-        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(self.origin))
+        self.view = np.empty(0, np.uint8)  # no regions: every run is refused
+        if order:
+            span = ctypes.c_uint8 * (int(self.ends.max()) - self.origin)
+            self.view = np.ctypeslib.as_array(span.from_address(self.origin))
 
     def scatter(
         self, dst: np.ndarray, src: np.ndarray, src_off: np.ndarray, length: np.ndarray

@@ -110,7 +110,9 @@ def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseRe
     if reply.state == "mismatch":
         raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
     if reply.state == "refused":
-        raise PeerError(f"P refused a second {op} of {h.request_id!r} from this D rank")
+        raise PeerError(
+            f"P refused {op} of {h.request_id!r} from this D rank (it began or reported already)"
+        )
     if reply.state != "held":
         raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
     return reply

@@ -296,7 +296,12 @@ whether the gather-scatter moves whole runs as words)``."""
 def copy_shape(c: Chunk, push: bool) -> CopyShape:
     """How the chunk's scatter copies (and, pushed, P's gather too: the costlier)."""
     out = _one(c.run_dst, c.run_stage, c.run_len)
-    return _shape([out, _one(c.span_stage, c.span_src, c.span_len)]) if push else out
+    if not push:
+        return out
+    (a, whole_a), (b, whole_b) = out, _one(c.span_stage, c.span_src, c.span_len)
+    if a is None or b is None:  # a gather-scatter is the costlier
+        return None, (a is not None or whole_a) and (b is not None or whole_b)
+    return max(a, b), False
 
 
 def _one(d_off: np.ndarray, s_off: np.ndarray, length: np.ndarray) -> CopyShape:

@@ -211,9 +211,9 @@ class Client:
         return self.send(msg, since)()
 
     def send(self, msg: Message, since: float | None = None) -> Callable[[], Message]:
-        """:meth:`call` in two halves: send ``msg`` now, return what waits for the reply.
-        This client's other callers wait until it was called: call it soon, from the same
-        thread, whatever happens in between (the caller works while P answers)."""
+        """:meth:`call` in two halves: send ``msg`` now, return what waits for the reply
+        (the caller works while P answers). This client's other callers wait until it was
+        called: call it exactly once and soon, in a ``finally`` (a second call raises)."""
         frame = seal(msg, self.secret)
         if len(frame) > MAX_FRAME:
             raise PeerError(
@@ -234,7 +234,15 @@ class Client:
         except BaseException:
             self._lock.release()
             raise
-        return lambda: self._reply(sock, mon)
+        taken = threading.Event()
+
+        def reply() -> Message:  # releases the lock: once only
+            if taken.is_set():
+                raise RuntimeError(f"the reply of a call to {self.endpoint} was taken twice")
+            taken.set()
+            return self._reply(sock, mon)
+
+        return reply
 
     def _reply(self, sock: zmq.Socket, mon: zmq.Socket) -> Message:
         try:

@@ -111,8 +111,8 @@ class LeaseTable:
                 return LeaseReply("mismatch")
             if op.d_rank not in range(op.d_world):
                 return LeaseReply("mismatch")
-            if op.op == "begin" and op.d_rank in lease.begun:
-                return LeaseReply("refused")
+            if op.op == "begin" and op.d_rank in lease.begun | lease.reported:
+                return LeaseReply("refused")  # a rank that reported may not read again
             if lease.aborting and op.op in ("begin", "renew"):
                 return LeaseReply("expired")
             if op.op in ("begin", "renew"):
@@ -125,7 +125,7 @@ class LeaseTable:
                 left = max(lease.deadline - self.clock(), 0.0)
                 if lease.aborting and lease.begun <= lease.reported:
                     self._move(lease, Event.ABORT)
-                elif len(lease.reported) >= op.d_world:
+                elif len(lease.reported) >= op.d_world and lease.begun <= lease.reported:
                     self._move(lease, Event.ALL_REPORTED)
                 return LeaseReply("held", left)
             return LeaseReply("held", max(lease.deadline - self.clock(), 0.0))
