@@ -89,3 +89,45 @@ def test_a_lease_that_lapses_during_the_transfer_fails_the_load():
         assert [f.reason for f in w.producer.freed()] == [LeaseState.EXPIRED]
     finally:
         w.close()
+
+
+def test_confirms_queued_behind_one_that_timed_out_fail_at_once(caplog):
+    """Two loads done on lease time, then P stops answering: their confirms, queued on
+    D's one reporting thread, fail within one side-channel timeout, not one each (P frees
+    the blocks at lease expiry instead)."""
+    w = World(timeout_s=1.0)
+    table, hang = w.producer.leases, threading.Event()
+    on_op = table.on_op
+
+    def stops_at_confirm(op):  # P's side channel stalls on the first confirm
+        if op.op == "confirm":
+            hang.wait(10)
+        return on_op(op)
+
+    table.on_op = stops_at_confirm  # type: ignore[method-assign]
+    d = w.consumers[0].transport
+    try:
+        for r in range(w.p.par.world):
+            d.stall(f"p{r}")  # type: ignore[attr-defined]
+        for rid in ("a", "b"):
+            handle, d_tabs = w.request(rid, 45)
+            w.consumers[0].load(handle, d_tabs)
+        for rid in ("a", "b"):
+            _until_begun(w, rid, 0.0)  # both begins answered before any confirm
+        _resume(w)
+        outs = w.wait(2)
+        assert all(o.ok and o.verified == "lease time" for o in outs), outs
+        end = time.monotonic() + 5
+        while len(_failed_confirms(caplog)) < 2 and time.monotonic() < end:
+            time.sleep(0.02)
+        first, second = _failed_confirms(caplog)
+        assert "no reply within 1000 ms" in first.getMessage()
+        assert "while this one waited" in second.getMessage()
+        assert second.created - first.created < 0.5  # at once, not a second timeout
+    finally:
+        hang.set()
+        w.close()
+
+
+def _failed_confirms(caplog) -> list:
+    return [r for r in caplog.records if r.getMessage().startswith("confirming")]

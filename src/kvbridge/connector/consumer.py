@@ -160,7 +160,9 @@ class Consumer:
             job.lap("handshake")
             begun = time.monotonic()
             reply = peer.client.send(self._op(job, "begin"), since=job.queued)
-            try:  # plan while P answers; nothing is read before it said "held"
+            # plan while P answers (this P's other side-channel calls wait for the plan,
+            # a few ms at most); nothing is read before P said "held"
+            try:
                 plan = peer.geometry.plan(
                     job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
                 )
@@ -174,7 +176,8 @@ class Consumer:
             else:
                 self._transfer(peer, plan.runs, plan.nbytes, job)
             job.lap("transfer")
-            late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
+            late = time.monotonic() - begun > left * self.trust_lease
+            self._verify(peer, job, late)
             job.move(LoadState.DONE)
             out = Outcome(
                 job.handle.request_id,
@@ -210,19 +213,20 @@ class Consumer:
         if late:
             self.peers.done(peer)
         else:  # P frees the blocks when every D rank has confirmed: tell it, off the path
-            self._tell_p.submit(self._confirm_later, peer, job)
+            self._tell_p.submit(self._confirm_later, peer, job, time.monotonic())
 
-    def _verify(self, peer: Peer, job: _Load, late: bool) -> bool:
+    def _verify(self, peer: Peer, job: _Load, late: bool) -> None:
         """A ``late`` load asks P whether the lease held after its last byte landed."""
         job.move(LoadState.VERIFY)
         if late:
             self._lease(peer, job, "confirm")
         job.lap("verify")
-        return late
 
-    def _confirm_later(self, peer: Peer, job: _Load) -> None:
+    def _confirm_later(self, peer: Peer, job: _Load, since: float) -> None:
+        """``since``: when it was queued (a P that stopped answering meanwhile fails the
+        confirms queued behind the call that timed out at once, not one timeout each)."""
         try:
-            self._lease(peer, job, "confirm")
+            self._lease(peer, job, "confirm", since=since)
         except KVBridgeError as e:  # P frees at lease expiry instead
             log.warning("confirming %s at P failed: %s", job.handle.request_id, e)
         finally:
