@@ -4,8 +4,10 @@ back with the loopback transport's stall, so the times are the test's."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 from kvbridge.control.lease import LeaseState
 from tests.unit.test_connector_loopback import World, check_bytes
@@ -33,6 +35,15 @@ def slow_load(w: World, rid: str, n: int, land_after: float, abort_after: float 
     return out, before, d_tabs
 
 
+@contextlib.contextmanager
+def world(**kw: float) -> Iterator[World]:
+    w = World(**kw)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
 def _until_begun(w: World, rid: str, at_least: float) -> None:
     """Wait ``at_least`` seconds and until P has D's ``begin`` for ``rid`` (≤ 5 s)."""
     end = time.monotonic() + 5.0
@@ -48,47 +59,35 @@ def _resume(w: World) -> None:
 
 
 def test_a_fast_load_is_done_on_lease_time_and_p_frees_after_the_confirm():
-    w = World()
-    try:
+    with world() as w:
         handle, d_tabs = w.request("fast", 45)
         w.consumers[0].load(handle, d_tabs)
         (out,) = w.wait()
         assert out.ok and out.verified == "lease time", out
         assert [f.reason for f in w.producer.freed(wait_for=1)] == [LeaseState.DONE]
-    finally:
-        w.close()
 
 
 def test_p_aborting_while_d_reads_keeps_the_blocks_until_d_reports():
-    w = World(lease_s=30.0)
-    try:
+    with world(lease_s=30.0) as w:
         out, before, d_tabs = slow_load(w, "x", 45, land_after=0.6, abort_after=0.3)
         assert out.ok and out.verified == "lease time", out
         check_bytes(w, before, 45, 0, d_tabs)
         assert [f.reason for f in w.producer.freed(wait_for=1)] == [LeaseState.ABORTED]
-    finally:
-        w.close()
 
 
 def test_a_load_slower_than_half_the_lease_asks_p():
-    w = World(lease_s=2.0)
-    try:
+    with world(lease_s=2.0) as w:
         out, before, d_tabs = slow_load(w, "slow", 45, land_after=1.2)
         assert out.ok and out.verified == "at P", out
         check_bytes(w, before, 45, 0, d_tabs)
-    finally:
-        w.close()
 
 
 def test_a_lease_that_lapses_during_the_transfer_fails_the_load():
-    w = World(lease_s=0.6)
-    try:
+    with world(lease_s=0.6) as w:
         out, _, d_tabs = slow_load(w, "lapsed", 45, land_after=0.9)
         assert not out.ok and "LeaseExpired" in out.error and "at confirm" in out.error, out
         assert out.failed_blocks[0] == d_tabs[0]
         assert [f.reason for f in w.producer.freed()] == [LeaseState.EXPIRED]
-    finally:
-        w.close()
 
 
 def test_confirms_queued_behind_one_that_timed_out_fail_at_once(caplog):
