@@ -9,8 +9,8 @@ runs its state machine and :meth:`Consumer.poll` returns finished and failed req
 VERIFY: the request is DONE if its last byte landed within half the lease time P granted
 at ``begin`` (P keeps a begun lease's blocks that long whatever its engine does), and the
 ``confirm`` that lets P free them is sent after the outcome; a slower load asks P whether
-the lease still held first. While QUEUED, the lease is renewed. A FAILED load whose transfers may
-still land is reported only once they ended (:mod:`kvbridge.connector.fence`).
+the lease still held first. While QUEUED, the lease is renewed. A FAILED load whose
+transfers may still land is reported only once they ended (:mod:`kvbridge.connector.fence`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvbridge.connector.load import (
     Policy,
     _Load,
     checked_reply,
+    failed_blocks,
     lease_op,
 )
 from kvbridge.connector.peers import Peer, PeerCache
@@ -42,6 +43,7 @@ from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
+from kvbridge.plan.plan import Plan
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
@@ -158,26 +160,14 @@ class Consumer:
             job.move(LoadState.HANDSHAKE)
             peer = job.peer = self.peers.get(job.handle, since=job.queued)
             job.lap("handshake")
-            begun = time.monotonic()
-            reply = peer.client.send(self._op(job, "begin"), since=job.queued)
-            # plan while P answers (this P's other side-channel calls wait for the plan,
-            # a few ms at most); nothing is read before P said "held"
-            try:
-                plan = peer.geometry.plan(
-                    job.handle.n_tokens, job.handle.block_tables, job.tables, job.cached
-                )
-            finally:
-                job.lap("plan")
-                left = checked_reply(job.handle, "begin", reply()).remaining_s
-                job.lap("lease")
+            plan, begun, left = self._begin(peer, job)
             job.move(LoadState.TRANSFER)
             if self.mode is Mode.PUSH:
                 self._push(peer, job, plan.runs)
             else:
                 self._transfer(peer, plan.runs, plan.nbytes, job)
             job.lap("transfer")
-            late = time.monotonic() - begun > left * self.trust_lease
-            self._verify(peer, job, late)
+            late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
             job.move(LoadState.DONE)
             out = Outcome(
                 job.handle.request_id,
@@ -198,7 +188,7 @@ class Consumer:
                 job.handle.request_id,
                 False,
                 seconds=time.perf_counter() - t0,
-                failed_blocks=self._failed_blocks(job),
+                failed_blocks=failed_blocks(self.spec, job),
                 action=self.policy,
                 error=f"{type(e).__name__}: {e}",
                 stages=job.stages,
@@ -215,16 +205,30 @@ class Consumer:
         else:  # P frees the blocks when every D rank has confirmed: tell it, off the path
             self._tell_p.submit(self._confirm_later, peer, job, time.monotonic())
 
-    def _verify(self, peer: Peer, job: _Load, late: bool) -> None:
+    def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, float]:
+        """``begin`` sent, the plan made while P answers (P's other calls wait for it),
+        P's "held" checked → (plan, monotonic time begin was sent, lease seconds left)."""
+        begun = time.monotonic()
+        reply = peer.client.send(self._op(job, "begin"), since=job.queued)
+        try:
+            h = job.handle
+            plan = peer.geometry.plan(h.n_tokens, h.block_tables, job.tables, job.cached)
+        finally:
+            job.lap("plan")
+            left = checked_reply(job.handle, "begin", reply()).remaining_s
+            job.lap("lease")
+        return plan, begun, left
+
+    def _verify(self, peer: Peer, job: _Load, late: bool) -> bool:
         """A ``late`` load asks P whether the lease held after its last byte landed."""
         job.move(LoadState.VERIFY)
         if late:
             self._lease(peer, job, "confirm")
         job.lap("verify")
+        return late
 
     def _confirm_later(self, peer: Peer, job: _Load, since: float) -> None:
-        """``since``: when it was queued (a P that stopped answering meanwhile fails the
-        confirms queued behind the call that timed out at once, not one timeout each)."""
+        """``since``: its queue time (behind a call that timed out, it fails at once)."""
         try:
             self._lease(peer, job, "confirm", since=since)
         except KVBridgeError as e:  # P frees at lease expiry instead
@@ -352,20 +356,10 @@ class Consumer:
         return lease_op(job.handle, op, self.engine_id, self.rank, self.par.world)
 
     def _report_failure(self, job: _Load) -> None:
-        try:
-            peer = self.peers.known(job.handle)
+        peer = self.peers.known(job.handle)
+        with contextlib.suppress(KVBridgeError):  # else P frees the blocks at lease expiry
             if peer is not None:
                 self._lease(peer, job, "fail")
-        except KVBridgeError:
-            pass  # P will free the blocks at lease expiry
-
-    def _failed_blocks(self, job: _Load) -> list[list[int]]:
-        out = []
-        for g, grp in enumerate(self.spec.groups):
-            tab = job.tables[g] if g < len(job.tables) else []
-            first = 0 if self.spec.is_state_group(g) else job.cached // grp.block_size
-            out.append(tab[first:])
-        return out
 
     def _renew_loop(self) -> None:
         """Every second, renew the leases of loads waiting in the queue or in a handshake

@@ -10,6 +10,7 @@ from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, Message, tables_digest
 from kvbridge.errors import LeaseExpired, PeerError
+from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
 
 
@@ -116,3 +117,14 @@ def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseRe
     if reply.state != "held":
         raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
     return reply
+
+
+def failed_blocks(spec: ModelSpec, job: _Load) -> list[list[int]]:
+    """Per spec group, the D blocks a failed ``job`` may have written: all of a state
+    group's, the rest from the first uncached block."""
+    out = []
+    for g, grp in enumerate(spec.groups):
+        tab = job.tables[g] if g < len(job.tables) else []
+        first = 0 if spec.is_state_group(g) else job.cached // grp.block_size
+        out.append(tab[first:])
+    return out
