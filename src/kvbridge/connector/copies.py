@@ -32,9 +32,8 @@ VIEW_S = 3.4e-6
 """Fixed cost of one strided copy (two ``np.ndarray(buffer=)`` views and the assignment)."""
 GATHER_RUN_S = 15e-9
 GATHER_BYTE_S = 0.045e-9
-"""What the gather-scatter costs per word, and per byte beyond a strided copy's cost.
-Measured on the development VM (``tools/bench_copies.py``): progressions of 16 runs of
-1 KiB copy in 1.8 ms per 8 MiB gathered, 2.9 ms as views; of 48 runs, equal."""
+"""What the gather-scatter costs per word, and per byte beyond a strided copy's cost;
+fitted to ``tools/bench_copies.py``'s table on the development VM (see above)."""
 
 
 def strided_limit(runs: int, size: int, word: int) -> int:

@@ -13,10 +13,11 @@ granted: a D that stalls, or keeps renewing, cannot pin P's blocks for ever.
 
 An abort frees at once only when no D rank is reading: once a rank's ``begin`` was
 answered ``held``, P keeps the blocks until that rank reports or the deadline passes
-(then ABORTED; EXPIRED if the deadline comes first). A rank may then count the lease as held for
-as long as the ``begin`` reply said, without asking again after its last byte landed
-(:meth:`kvbridge.connector.consumer.Consumer` does, within half that time). While an
-abort waits, ``begin`` and ``renew`` are answered ``expired``.
+(then ABORTED; EXPIRED if the deadline comes first). A rank may then count the lease as
+held for as long as the ``begin`` reply said, without asking again after its last byte
+landed (:class:`kvbridge.connector.consumer.Consumer` does, within half that time); so a
+rank that reported may not ``begin`` again. While an abort waits, ``begin`` and ``renew``
+are answered ``expired``.
 """
 
 from __future__ import annotations
