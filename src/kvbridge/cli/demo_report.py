@@ -75,7 +75,7 @@ def render_text(s: Summary) -> str:
         f"({s.new_tokens} tokens each); {s.wall_s:.1f} s in all"
     )
     lines.append(
-        "latency ms: load to lease confirmed, slowest D rank (the first includes the "
+        "latency ms: load to outcome (lease held), slowest D rank (the first includes the "
         "handshake); GB/s = bytes / latency"
     )
     if any(r.latency_bound for r in s.rows):
