@@ -26,3 +26,17 @@ def prepare_process_env() -> None:
 def progress_delay_us() -> int:
     """Delay of NIXL's progress thread between polls (µs); 0 would spin a core."""
     return int(os.environ.get("KVBRIDGE_PROGRESS_DELAY_US", "1000"))
+
+
+def device_on_cpu() -> bool:
+    """``KVBRIDGE_DEVICE_ON_CPU=1``: on a machine without CUDA, device regions are host
+    memory reached through torch CPU tensors (the test suite's way through the device code
+    paths; :mod:`kvbridge.transport.memory`)."""
+    return os.environ.get("KVBRIDGE_DEVICE_ON_CPU", "") == "1"
+
+
+def nixl_module() -> str:
+    """``KVBRIDGE_NIXL``: the NIXL Python package to load (default: the ``nixl`` meta
+    package, which picks the build matching the machine's CUDA, then ``nixl_cu13``,
+    ``nixl_cu12``; :mod:`kvbridge.transport.nixl`)."""
+    return os.environ.get("KVBRIDGE_NIXL", "")

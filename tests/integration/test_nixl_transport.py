@@ -22,7 +22,8 @@ import pytest
 
 from kvbridge.errors import PeerError, TransferTimeout, TransportError
 from kvbridge.transport.base import Region, XferState
-from kvbridge.transport.nixl import NixlTransport, _seal, _unseal
+from kvbridge.transport.nixl import NixlTransport
+from kvbridge.transport.nixl_meta import seal, unseal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -225,7 +226,9 @@ def test_run_outside_registered_memory_is_refused(reader: Reader, owner: Owner) 
 def _damaged(metadata: bytes) -> list[Any]:
     flipped = bytearray(metadata)
     flipped[len(flipped) // 2] ^= 0x01
-    _, blob = _unseal(metadata)
+    _, blob, table = unseal(metadata)
+    unknown_kind = table.copy()
+    unknown_kind[:, 2] = 7
     return [
         b"",
         b"garbage",
@@ -235,9 +238,10 @@ def _damaged(metadata: bytes) -> list[Any]:
         metadata + b"\0",
         bytes(flipped),
         blob,  # NIXL's raw metadata without kvbridge's envelope
-        _seal("P-bogus", b"not NIXL metadata at all"),
-        _seal("P-bogus", blob[: len(blob) // 2]),
-        _seal("P-alias", blob),  # envelope name and NIXL name disagree
+        seal("P-bogus", b"not NIXL metadata at all", table),
+        seal("P-bogus", blob[: len(blob) // 2], table),
+        seal("P-alias", blob, table),  # envelope name and NIXL name disagree
+        seal("P", blob, unknown_kind),  # a memory kind this side does not know
         metadata.decode("latin-1"),
     ]
 
@@ -340,3 +344,24 @@ def test_closed_transport_refuses_work() -> None:
         t.metadata()
     with pytest.raises(TransportError, match="> 0"):
         NixlTransport("D-spin", progress_delay_us=0)
+
+
+def test_memory_kinds_travel_in_the_metadata_and_device_memory_needs_a_gpu(
+    reader: Reader, owner: Owner
+) -> None:
+    """The envelope names every region's kind and device; this machine has no GPU, so the
+    agent moves host memory only and says so when handed device memory."""
+    from kvbridge.layout.tensor import MemKind
+    from kvbridge.transport import nixl as nixl_mod
+    from kvbridge.transport.memory import cuda_available
+
+    assert nixl_mod.NIXL_BUILD in ("nixl_cu12", "nixl_cu13")
+    name, _, table = unseal(owner.metadata)
+    assert name == "P" and table.shape == (1, 4)
+    assert table[0, 1] == P_BYTES and table[0, 2] == 0 and table[0, 3] == 0  # host, device 0
+    if cuda_available():
+        pytest.skip("this machine has a GPU: device memory is covered by make gpu-check")
+    assert reader.t.kinds == frozenset({MemKind.HOST})
+    spare = np.zeros(4096, np.uint8)
+    with pytest.raises(TransportError, match="moves host memory, not the device region"):
+        reader.t.register([Region(spare.ctypes.data, spare.nbytes, MemKind.DEVICE, 0)])

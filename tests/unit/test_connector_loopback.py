@@ -22,6 +22,7 @@ from kvbridge.control.messages import ErrorReply, Handshake, Message, unseal
 from kvbridge.control.security import Keys, secure_client
 from kvbridge.errors import PeerError
 from kvbridge.layout import build_layout
+from kvbridge.layout.tensor import MemKind
 from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
 from kvbridge.testing.reference import expected_dest, fill_source
 from kvbridge.testing.scenario import Side, random_tables
@@ -60,6 +61,7 @@ class World:
         mode: Mode = Mode.PULL,
         p_keys: Keys | None = None,
         d_keys: Keys | None = None,
+        memory: tuple[MemKind, MemKind] = (MemKind.HOST, MemKind.HOST),
     ):
         self.rng = np.random.default_rng(7)
         self.p = Side(SPEC, Parallel(p_tp), "hnd", 32)
@@ -73,7 +75,9 @@ class World:
             agent = LoopbackTransport(f"p{r}", self.fabric)
             bases = list(self.p.bound(r).bases)
             push = (SECRET, "127.0.0.1", timeout_s) if mode is Mode.PUSH else (None,)
-            worker = ProducerWorker(r, self.p.layouts[r], bases, agent, *push, keys=p_keys)  # type: ignore[arg-type,misc]
+            worker = ProducerWorker(
+                r, self.p.layouts[r], bases, agent, *push, keys=p_keys, memory=memory[0]
+            )  # type: ignore[arg-type,misc]
             self.workers.append(worker)
             self.producer.add_rank(worker.info)
         self.consumers = [
@@ -90,6 +94,7 @@ class World:
                 staging_bytes=staging_bytes,
                 mode=mode,
                 keys=d_keys,
+                memory=memory[1],
             )
             for r in range(d_tp)
         ]

@@ -1,7 +1,6 @@
-"""D side of the connector (DESIGN §7): one :class:`Consumer` per D rank.
-
-``load(handle, local block tables, cached tokens)`` queues a request; a worker thread
-runs its state machine and :meth:`Consumer.poll` returns finished and failed requests:
+"""D side of the connector: one :class:`Consumer` per D rank. ``load(handle, local block
+tables, cached tokens)`` queues a request; a worker thread runs its state machine and
+:meth:`Consumer.poll` returns finished and failed requests:
 
     QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE
        └──────────┴──────────┴─────────┴──► FAILED   (any error, deadline or lapsed lease)
@@ -41,13 +40,14 @@ from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
+from kvbridge.layout.tensor import MemKind, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.plan import Plan
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Region, Transport, XferHandle
+from kvbridge.transport.base import Transport, XferHandle
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class Consumer:
         staging_bytes: int = 32 << 20,
         keys: Keys | None = None,
         staging: bool = True,
+        memory: MemKind = MemKind.HOST,
+        device: int = 0,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
@@ -88,14 +90,14 @@ class Consumer:
         mode stages through it too (:mod:`kvbridge.connector.push_staging`).
         ``staging``: let the cost model stage a request (False: always direct; may be
         changed between requests).
-        ``keys``: CURVE keys of the side channel (default: derived from ``secret``)."""
+        ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
+        ``memory``, ``device``: where ``bases`` point (device memory: direct transfers)."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
-        self.timeout_s, self.mode = transfer_timeout_s, mode
-        self.staging = staging
-        regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
+        self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
+        regions = regions_at(bases, layout.regions, memory, device)
         self.stager: Stager | None = None
-        if staging_bytes >= workers * 4096:
+        if staging_bytes >= workers * 4096 and memory is MemKind.HOST:
             self.stager = Stager(regions, workers, staging_bytes // workers)
         self._probe = ProbeArea()
         extra = [self.stager.pool.region] if self.stager else []

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.spans import Regions, regions_of
 from kvbridge.control.channel import Client
-from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply, rank_layout
+from kvbridge.control.messages import (
+    PROTOCOL_VERSION,
+    Handshake,
+    HandshakeReply,
+    rank_layout,
+    rank_regions,
+)
 from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout, TransportError
 from kvbridge.plan.build import Geometry
@@ -206,6 +212,8 @@ class PeerCache:
         ):
             raise PeerError(f"handshake lists ranks {[r.rank for r in reply.ranks]}")
         layouts = [rank_layout(info) for info in reply.ranks]
+        for info, lay in zip(reply.ranks, layouts, strict=True):
+            rank_regions(info, lay)  # a memory kind this side does not know is refused
         names = {g.name: bs for g, bs in zip(self.spec.groups, layouts[0].block_sizes, strict=True)}
         spec_p = self.spec.with_block_sizes(names)
         p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]

@@ -34,10 +34,11 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, TransferTimeout
+from kvbridge.layout.tensor import MemKind, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Region, Transport, XferHandle
+from kvbridge.transport.base import Transport, XferHandle
 
 
 class ProducerWorker:
@@ -70,7 +71,11 @@ class ProducerWorker:
         keys: Keys | None = None,
         push_slots: int = 2,
         push_slot_bytes: int = 32 << 20,
+        memory: MemKind = MemKind.HOST,
+        device: int = 0,
     ):
+        """``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``);
+        staged pushes gather on the host only for now (device memory: direct)."""
         self.rank = rank
         self.transport = transport
         self.timeout_s = push_timeout_s
@@ -79,9 +84,9 @@ class ProducerWorker:
         self._fenced: OrderedDict[str, None] = OrderedDict()
         self._slots: dict[XferHandle, int] = {}
         """The staging slot each kept write reads from."""
-        regions = [Region(b, n) for b, n in zip(bases, layout.regions, strict=True)]
+        regions = regions_at(bases, layout.regions, memory, device)
         self.gather: PushGather | None = None
-        if secret is not None and push_slots > 0:
+        if secret is not None and push_slots > 0 and memory is MemKind.HOST:
             self.gather = PushGather(regions, push_slots, push_slot_bytes)
         extra = [self.gather.pool.region] if self.gather is not None else []
         meta = transport.register(regions + extra)
@@ -91,7 +96,7 @@ class ProducerWorker:
             else None
         )
         endpoint = self.server.endpoint if self.server else ""
-        self.info = wire_layout(rank, layout, bases, meta, endpoint)
+        self.info = wire_layout(rank, layout, regions, meta, endpoint)
 
     def _handle(self, msg: Message) -> Message:
         self._sweep()

@@ -14,10 +14,11 @@ from typing import Literal
 import msgspec
 
 from kvbridge.errors import LayoutError, PeerError
+from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout, View
 
-PROTOCOL_VERSION = 5
-"""5: staged push (``PushRuns.staged``; ``PushReply.runs`` counts descriptors posted)."""
+PROTOCOL_VERSION = 6
+"""6: a rank's memory kind and device (``RankInfo.memory``, ``RankInfo.device``)."""
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -52,6 +53,20 @@ class RankInfo(msgspec.Struct, frozen=True):
     agent: bytes
     endpoint: str = ""
     """This rank's own side channel (push requests), if it serves one."""
+    memory: str = MemKind.HOST.value
+    """Where the rank's KV regions live (a :class:`MemKind` value)."""
+    device: int = 0
+    """The GPU (CUDA ordinal) holding them, for device memory."""
+
+    def memory_kind(self) -> MemKind:
+        """:attr:`memory` checked; :class:`PeerError` for a kind this side does not know."""
+        try:
+            kind = MemKind(self.memory)
+        except ValueError:
+            raise PeerError(f"rank {self.rank}: unknown memory kind {self.memory!r}") from None
+        if self.device < 0:
+            raise PeerError(f"rank {self.rank}: device {self.device}")
+        return kind
 
 
 class Handshake(msgspec.Struct, tag="handshake", frozen=True):
@@ -181,8 +196,13 @@ def tables_digest(tables: list[list[int]], n_tokens: int) -> str:
 
 
 def wire_layout(
-    rank: int, layout: RankLayout, bases: list[int], agent: bytes, endpoint: str = ""
+    rank: int,
+    layout: RankLayout,
+    regions: list[Region],
+    agent: bytes,
+    endpoint: str = "",
 ) -> RankInfo:
+    """What a rank tells peers of ``layout``, held in ``regions`` (one memory kind)."""
     views = [
         WireView(
             v.layer,
@@ -209,10 +229,17 @@ def wire_layout(
         list(layout.block_sizes),
         list(layout.num_blocks),
         list(layout.pools),
-        bases,
+        [r.addr for r in regions],
         agent,
         endpoint,
+        regions[0].kind.value if regions else MemKind.HOST.value,
+        regions[0].device if regions else 0,
     )
+
+
+def rank_regions(info: RankInfo, layout: RankLayout) -> list[Region]:
+    """The regions a peer's rank described, with their memory kind (checked)."""
+    return regions_at(info.bases, layout.regions, info.memory_kind(), info.device)
 
 
 def rank_layout(info: RankInfo) -> RankLayout:

@@ -29,7 +29,8 @@ AXES = frozenset("BSTHD")
 
 
 class MemKind(enum.StrEnum):
-    """Where a region lives. NIXL moves both; the loopback transport only host memory."""
+    """Where a region lives: host memory, or the memory of a GPU (``Region.device``
+    names which). A transport says which kinds it moves (``Transport.kinds``)."""
 
     HOST = "host"
     DEVICE = "device"
@@ -73,9 +74,28 @@ class TensorDesc:
 
 @dataclass(frozen=True, slots=True)
 class Region:
+    """``nbytes`` bytes at ``addr`` in memory of ``kind``; ``device``: the GPU's index
+    (CUDA ordinal) for device memory, 0 for host memory."""
+
     addr: int
     nbytes: int
     kind: MemKind = MemKind.HOST
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        if self.addr < 0 or self.nbytes < 0 or self.device < 0:
+            raise LayoutError(f"region {self.addr:#x} +{self.nbytes} B on device {self.device}")
+        if not isinstance(self.kind, MemKind):
+            raise LayoutError(
+                f"region memory kind {self.kind!r}: one of {[k.value for k in MemKind]}"
+            )
+
+
+def regions_at(
+    bases: list[int], sizes: tuple[int, ...], kind: MemKind = MemKind.HOST, device: int = 0
+) -> list[Region]:
+    """A rank's regions: ``sizes[i]`` bytes at ``bases[i]``, all in one memory."""
+    return [Region(b, n, kind, device) for b, n in zip(bases, sizes, strict=True)]
 
 
 @dataclass
@@ -84,16 +104,16 @@ class RegionSet:
 
     regions: list[Region] = field(default_factory=list)
 
-    def add(self, addr: int, nbytes: int, kind: MemKind = MemKind.HOST) -> int:
+    def add(self, addr: int, nbytes: int, kind: MemKind = MemKind.HOST, device: int = 0) -> int:
         """Index of the region ``[addr, addr + nbytes)``; an identical range is added once."""
         for i, r in enumerate(self.regions):
-            if r.addr == addr and r.nbytes == nbytes and r.kind == kind:
+            if (r.addr, r.nbytes, r.kind, r.device) == (addr, nbytes, kind, device):
                 return i
             if addr < r.addr + r.nbytes and r.addr < addr + nbytes:
                 raise LayoutError(
                     f"region [{addr:#x}, +{nbytes}) overlaps region {i} [{r.addr:#x}, +{r.nbytes})"
                 )
-        self.regions.append(Region(addr, nbytes, kind))
+        self.regions.append(Region(addr, nbytes, kind, device))
         return len(self.regions) - 1
 
     def locate(self, addr: int, nbytes: int) -> tuple[int, int]:

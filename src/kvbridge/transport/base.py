@@ -10,13 +10,14 @@ from __future__ import annotations
 import abc
 import enum
 import time
+from typing import Self
 
 import numpy as np
 
 from kvbridge.errors import TransferTimeout, TransportError
 from kvbridge.layout.tensor import MemKind, Region
 
-__all__ = ["MemKind", "Region", "Transport", "XferHandle", "XferState"]
+__all__ = ["MemKind", "Region", "Transport", "XferHandle", "XferState", "as_u64"]
 
 
 class XferState(enum.Enum):
@@ -44,6 +45,18 @@ class Transport(abc.ABC):
     """
 
     name: str
+    kinds: frozenset[MemKind] = frozenset({MemKind.HOST})
+    """The memory kinds this agent moves (registers, reads and writes)."""
+
+    def check_kinds(self, regions: list[Region]) -> None:
+        """:class:`TransportError` naming the first region of a kind this agent cannot move."""
+        for r in regions:
+            if r.kind not in self.kinds:
+                moves = ", ".join(sorted(k.value for k in self.kinds))
+                raise TransportError(
+                    f"agent {self.name!r} ({type(self).__name__}) moves {moves} memory, "
+                    f"not the {r.kind.value} region {r.addr:#x} +{r.nbytes} B (device {r.device})"
+                )
 
     @abc.abstractmethod
     def register(self, regions: list[Region]) -> bytes:
@@ -130,9 +143,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def __enter__(self) -> Self:
+        return self
 
-def host_only(regions: list[Region], agent: str) -> None:
-    """Both transports move host memory today; device regions are refused, not misread."""
-    dev = [r for r in regions if r.kind is not MemKind.HOST]
-    if dev:
-        raise TransportError(f"agent {agent!r}: {len(dev)} {dev[0].kind} regions; host only")
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def as_u64(name: str, values: object) -> np.ndarray:
+    """``values`` as a 1-D uint64 array (no copy if already one); refuses negatives."""
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.dtype.kind not in "ui":
+        raise TransportError(f"{name} must be 1-D integers, got {arr.shape} {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+        raise TransportError(f"{name} has a negative entry ({int(arr.min())})")
+    return arr.astype(np.uint64, copy=False)

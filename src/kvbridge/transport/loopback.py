@@ -3,6 +3,9 @@
 Agents find each other through a :class:`Fabric` (one per test or process). Every run
 is checked against the registered regions of both sides before any byte moves, so a
 plan that strays outside registered memory fails the same way it does over NIXL.
+Device memory moves too: a run with a device side is copied by torch
+(:mod:`kvbridge.transport.memory`; on a GPU a device copy, synchronised before the
+transfer counts done).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from collections.abc import Callable
 
 import msgspec
 import numpy as np
+import torch
 
 from kvbridge.errors import PeerError, TransportError
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState, host_only
+from kvbridge.layout.tensor import MemKind
+from kvbridge.transport.base import Region, Transport, XferHandle, XferState
+from kvbridge.transport.memory import byte_tensor
 
 
 class _Meta(msgspec.Struct, frozen=True):
@@ -53,6 +59,8 @@ class _Handle(XferHandle):
 
 
 class LoopbackTransport(Transport):
+    kinds = frozenset(MemKind)
+
     def __init__(self, name: str, fabric: Fabric) -> None:
         if name in fabric.agents:
             raise TransportError(f"agent name {name!r} already on this fabric")
@@ -60,6 +68,9 @@ class LoopbackTransport(Transport):
         self.fabric = fabric
         self.starts = np.zeros(0, np.int64)
         self.ends = np.zeros(0, np.int64)
+        self.regions: list[Region] = []
+        """Registered regions, in the order of ``starts``."""
+        self._tensors: dict[int, torch.Tensor] = {}
         self.peers: set[str] = set()
         self.inbox: deque[tuple[str, bytes]] = deque()
         self.stalled: dict[str, list[_Handle]] = {}
@@ -78,13 +89,12 @@ class LoopbackTransport(Transport):
             h.state, h.run = XferState.DONE, None
 
     def register(self, regions: list[Region]) -> bytes:
-        host_only(regions, self.name)
-        pairs = sorted((r.addr, r.addr + r.nbytes) for r in regions)
-        pairs += list(zip(self.starts.tolist(), self.ends.tolist(), strict=True))
-        pairs.sort()
-        self.starts = np.array([p[0] for p in pairs], np.int64)
-        self.ends = np.array([p[1] for p in pairs], np.int64)
-        meta = _Meta(self.name, [(int(a), int(b - a)) for a, b in pairs])
+        self.check_kinds(regions)
+        self.regions = sorted([*self.regions, *regions], key=lambda r: r.addr)
+        self._tensors.clear()
+        self.starts = np.array([r.addr for r in self.regions], np.int64)
+        self.ends = np.array([r.addr + r.nbytes for r in self.regions], np.int64)
+        meta = _Meta(self.name, [(r.addr, r.nbytes) for r in self.regions])
         return msgspec.msgpack.encode(meta)
 
     def add_peer(self, metadata: bytes) -> str:
@@ -133,14 +143,19 @@ class LoopbackTransport(Transport):
         if peer not in self.peers or other is None:
             raise TransportError(f"{self.name}: unknown peer {peer!r}")
         src_i, dst_i, n = (np.asarray(a).view(np.int64) for a in (src, dst, nbytes))
-        remote_owner, local_owner = (other, self) if pull else (self, other)
-        remote_owner.check_inside(src_i, n, "source")
-        local_owner.check_inside(dst_i, n, "destination")
+        src_owner, dst_owner = (other, self) if pull else (self, other)
+        src_reg = src_owner.check_inside(src_i, n, "source")
+        dst_reg = dst_owner.check_inside(dst_i, n, "destination")
         runs = list(zip(src_i.tolist(), dst_i.tolist(), n.tolist(), strict=True))
+        on_device = src_owner.has_device(src_reg) or dst_owner.has_device(dst_reg)
+        places = list(zip(src_reg.tolist(), dst_reg.tolist(), strict=True))
 
         def run() -> None:
-            for s, d, k in runs:
-                ctypes.memmove(d, s, k)
+            if on_device:
+                _torch_copy(src_owner, dst_owner, runs, places)
+            else:
+                for s, d, k in runs:
+                    ctypes.memmove(d, s, k)
             if notif is not None:
                 other.inbox.append((self.name, notif))
 
@@ -152,10 +167,11 @@ class LoopbackTransport(Transport):
         run()
         return _Handle(XferState.DONE)
 
-    def check_inside(self, addr: np.ndarray, n: np.ndarray, what: str) -> None:
-        """Raise unless every ``[addr, addr+n)`` lies inside one registered region."""
+    def check_inside(self, addr: np.ndarray, n: np.ndarray, what: str) -> np.ndarray:
+        """Index (in :attr:`regions`) of the registered region each ``[addr, addr+n)``
+        lies in; :class:`TransportError` if one lies in none."""
         if addr.shape[0] == 0:
-            return
+            return np.zeros(0, np.int64)
         idx = np.searchsorted(self.starts, addr, side="right") - 1
         bad = (idx < 0) | (n < 0)
         ok = ~bad
@@ -165,6 +181,18 @@ class LoopbackTransport(Transport):
             raise TransportError(
                 f"{self.name}: {what} run {i} [{addr[i]:#x}, +{n[i]}) is outside registered memory"
             )
+        return idx
+
+    def has_device(self, idx: np.ndarray) -> bool:
+        """Whether any of the regions ``idx`` (from :meth:`check_inside`) is device memory."""
+        return any(self.regions[i].kind is MemKind.DEVICE for i in np.unique(idx).tolist())
+
+    def tensor(self, i: int) -> torch.Tensor:
+        """Region ``i`` as a ``uint8`` tensor where it lives (made once per registration)."""
+        t = self._tensors.get(i)
+        if t is None:
+            t = self._tensors[i] = byte_tensor(self.regions[i])
+        return t
 
     def poll(self, handle: XferHandle) -> XferState:
         assert isinstance(handle, _Handle)
@@ -177,3 +205,21 @@ class LoopbackTransport(Transport):
 
     def close(self) -> None:
         self.fabric.agents.pop(self.name, None)
+
+
+def _torch_copy(
+    src: LoopbackTransport,
+    dst: LoopbackTransport,
+    runs: list[tuple[int, int, int]],
+    places: list[tuple[int, int]],
+) -> None:
+    """Copy ``runs`` (absolute src, dst, bytes) with torch, run ``i`` from ``src``'s region
+    ``places[i][0]`` to ``dst``'s region ``places[i][1]``; synchronised on a GPU."""
+    devices: set[torch.device] = set()
+    for (s, d, k), (si, di) in zip(runs, places, strict=True):
+        st, dt = src.tensor(si), dst.tensor(di)
+        so, do = s - src.regions[si].addr, d - dst.regions[di].addr
+        dt[do : do + k].copy_(st[so : so + k])
+        devices.update(t.device for t in (st, dt) if t.is_cuda)
+    for dev in devices:
+        torch.cuda.synchronize(dev)

@@ -1,18 +1,18 @@
 """NIXL transport, the only kvbridge module importing NIXL: one rank's agent
-(UCX, host memory, device 0, progress thread sleeping between polls). NIXL's status
+(UCX, progress thread sleeping between polls). Host memory is described as ``DRAM_SEG``,
+a GPU's as ``VRAM_SEG`` with its CUDA ordinal on every row; the agent moves device memory
+where UCX was built with CUDA and this process sees a GPU (:attr:`NixlTransport.kinds`).
+NIXL is loaded through whichever package is installed (:func:`_load_nixl`). NIXL's status
 strings, ``None`` returns and binding exceptions become :class:`XferState` values and
-:mod:`kvbridge.errors` here. On loopback UCX copies inside ``read()``/``write()``
-(256 MiB: 0.06–0.4 s here, GIL released): call them from a worker thread, not an event
-loop. Reader/writer sync mode: threads may post and poll concurrently; ``close()`` must
-not race. A dead or stalled peer raises or never finishes: every wait needs a deadline
-(:meth:`NixlTransport.wait`). Measured facts: ``shared/NIXL_NOTES.md``."""
+:mod:`kvbridge.errors` here. On loopback UCX copies inside ``read()``/``write()`` (GIL
+released): call them from a worker thread. Threads may post and poll concurrently;
+``close()`` must not race. A dead or stalled peer raises or never finishes: every wait
+needs a deadline (:meth:`NixlTransport.wait`). Measured facts: ``docs/performance.md``."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -23,54 +23,45 @@ from kvbridge import envs
 
 envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading NIXL
 
-from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle  # noqa: E402
-
 from kvbridge.errors import PeerError, TransferFailed, TransportError  # noqa: E402
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState, host_only  # noqa: E402
+from kvbridge.layout.tensor import MemKind  # noqa: E402
+from kvbridge.transport.base import Region, Transport, XferHandle, XferState, as_u64  # noqa: E402
+from kvbridge.transport.memory import cuda_available  # noqa: E402
+from kvbridge.transport.nixl_meta import Places, seal, unseal  # noqa: E402
 
 __all__ = ["NixlTransport", "NixlXferHandle"]
 _U64 = np.ndarray  # 1-D uint64 (any non-negative integer dtype is accepted)
 
 log = logging.getLogger(__name__)
-_nb: Any = importlib.import_module("nixl_cu12._bindings")  # compiled, no type stubs
+
+NIXL_PACKAGES = ("nixl", "nixl_cu13", "nixl_cu12")
+"""In this order: ``nixl`` picks the build matching the machine's CUDA, then by name."""
+
+
+def _load_nixl() -> tuple[Any, Any]:
+    """``(the _api module, the compiled _bindings module)`` of the NIXL build to use:
+    ``KVBRIDGE_NIXL`` if set, else the first of :data:`NIXL_PACKAGES` that imports."""
+    names = (envs.nixl_module(),) if envs.nixl_module() else NIXL_PACKAGES
+    errors = []
+    for name in names:
+        try:
+            api = importlib.import_module(f"{name}._api")
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        package = api.nixl_agent.__module__.rsplit(".", 1)[0]  # nixl maps onto a build
+        return api, importlib.import_module(f"{package}._bindings")
+    raise ImportError(f"no NIXL package imports ({'; '.join(errors)}); install nixl-cu12 or -cu13")
+
+
+_api, _nb = _load_nixl()  # compiled, no type stubs
+nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
+NIXL_BUILD: str = _nb.__name__.rsplit(".", 1)[0]  # the build in use, e.g. nixl_cu12
+_SEG = {MemKind.HOST: _nb.DRAM_SEG, MemKind.DEVICE: _nb.VRAM_SEG}
 
 # Every exception type the binding raises for a non-success nixl_status_t (and pybind's).
 _ERRS = (getattr(_nb, n) for n in dir(_nb) if n.startswith("nixl") and n.endswith("Error"))
 _CAUGHT: tuple[type[BaseException], ...] = (*_ERRS, RuntimeError)
-
-# Metadata envelope: header (magic+version, name and blob lengths), name, NIXL blob,
-# BLAKE2b digest. NIXL must never see a damaged blob: one a byte short half-loads and the
-# name stays unusable in this process (NIXL_ERR_INVALID_PARAM even after removal).
-_MAGIC = b"KVBNIXL1"
-_HEAD = struct.Struct("<8sHI")
-_DIGEST_BYTES = 16
-
-
-def _seal(name: str, blob: bytes) -> bytes:
-    """Wrap NIXL metadata ``blob`` of agent ``name`` in the checked envelope."""
-    raw_name = name.encode()
-    body = _HEAD.pack(_MAGIC, len(raw_name), len(blob)) + raw_name + blob
-    return body + hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest()
-
-
-def _unseal(data: object) -> tuple[str, bytes]:
-    """``(agent name, NIXL blob)`` from an envelope; :class:`PeerError` if damaged."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise PeerError(f"peer metadata must be bytes, got {type(data).__name__}")
-    md = bytes(data)
-    if len(md) < _HEAD.size + _DIGEST_BYTES or not md.startswith(_MAGIC):
-        raise PeerError(f"not kvbridge NIXL metadata ({len(md)} B, head {md[:16]!r})")
-    _, name_len, blob_len = _HEAD.unpack_from(md)
-    body_len = _HEAD.size + name_len + blob_len
-    if len(md) != body_len + _DIGEST_BYTES:
-        raise PeerError(f"peer metadata is {len(md)} B, its header says {body_len + 16} B")
-    if hashlib.blake2b(md[:body_len], digest_size=_DIGEST_BYTES).digest() != md[body_len:]:
-        raise PeerError(f"peer metadata ({len(md)} B) fails its digest check")
-    try:
-        name = md[_HEAD.size : _HEAD.size + name_len].decode()
-    except UnicodeDecodeError as exc:
-        raise PeerError(f"peer name is not UTF-8: {exc}") from exc
-    return name, md[_HEAD.size + name_len : body_len]
 
 
 def _quietly(what: str, call: Callable[..., object], *args: object) -> bool:
@@ -83,22 +74,11 @@ def _quietly(what: str, call: Callable[..., object], *args: object) -> bool:
     return True
 
 
-def _as_u64(name: str, values: object) -> np.ndarray:
-    """``values`` as a 1-D uint64 array (no copy if already one); refuses negatives."""
-    arr = np.asarray(values)
-    if arr.ndim != 1 or arr.dtype.kind not in "ui":
-        raise TransportError(f"{name} must be 1-D integers, got {arr.shape} {arr.dtype}")
-    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
-        raise TransportError(f"{name} has a negative entry ({int(arr.min())})")
-    return arr.astype(np.uint64, copy=False)
-
-
-def _descs(addrs: np.ndarray, nbytes: np.ndarray) -> Any:
-    """A DRAM ``nixlXferDList`` built from an ``(N, 3)`` ``(addr, len, dev=0)`` array."""
-    rows = np.zeros((addrs.shape[0], 3), dtype=np.uint64)
-    rows[:, 0] = addrs
-    rows[:, 1] = nbytes
-    return _nb.nixlXferDList(_nb.DRAM_SEG, rows)
+def _descs(where: tuple[MemKind, np.ndarray], addrs: np.ndarray, nbytes: np.ndarray) -> Any:
+    """A ``nixlXferDList`` of memory ``where[0]`` from ``(addr, len, dev=where[1])`` rows."""
+    rows = np.empty((addrs.shape[0], 3), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2] = addrs, nbytes, where[1]
+    return _nb.nixlXferDList(_SEG[where[0]], rows)
 
 
 class NixlXferHandle(XferHandle):
@@ -106,9 +86,7 @@ class NixlXferHandle(XferHandle):
 
     __slots__ = ("_error", "_owner", "_xfer", "nbytes", "peer", "runs", "state")
 
-    def __init__(
-        self, owner: NixlTransport, xfer: nixl_xfer_handle | None, peer: str, runs: int, nbytes: int
-    ) -> None:
+    def __init__(self, owner: NixlTransport, xfer: Any, peer: str, runs: int, nbytes: int) -> None:
         self._owner, self._xfer = owner, xfer
         self._error: TransportError | None = None
         self.peer, self.runs, self.nbytes = peer, runs, nbytes
@@ -136,13 +114,26 @@ class NixlTransport(Transport):
         self._lock = threading.Lock()
         self._peers: dict[str, bytes] = {}  # name -> sealed metadata
         self._live: set[NixlXferHandle] = set()
-        self._stuck: list[nixl_xfer_handle] = []  # NIXL refused to release; retried at close
+        self._stuck: list[Any] = []  # NIXL refused to release; retried at close
         self._regs: list[Any] = []
+        self._places = Places(np.zeros((0, 4), np.uint64))
+        self._peer_places: dict[str, Places] = {}
         self._closed = False
         self._agent = self._make_agent(name, delay)
+        self.kinds = self._moves(self._agent)
 
     @staticmethod
-    def _make_agent(name: str, delay_us: int) -> nixl_agent:
+    def _moves(agent: Any) -> frozenset[MemKind]:
+        """Host memory, and device memory where UCX here handles VRAM and a GPU is seen."""
+        try:
+            segs = {str(t) for t in agent.get_backend_mem_types("UCX")}
+        except _CAUGHT as exc:
+            raise TransportError(f"cannot read UCX memory types: {exc!r}") from exc
+        vram = any("VRAM" in t for t in segs) and cuda_available()
+        return frozenset({MemKind.HOST, MemKind.DEVICE} if vram else {MemKind.HOST})
+
+    @staticmethod
+    def _make_agent(name: str, delay_us: int) -> Any:
         """The wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
         binding agent made from our config, then instantiate UCX on that (~0.4 s)."""
         cfg = _nb.nixlAgentConfig()
@@ -157,25 +148,30 @@ class NixlTransport(Transport):
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc!r}") from exc
         return agent
 
-    def _check_open(self) -> nixl_agent:
+    def _check_open(self) -> Any:
         if self._closed:
             raise TransportError(f"transport {self.name!r} is closed")
         return self._agent
 
     def register(self, regions: list[Region]) -> bytes:
-        """Register host memory regions; returns :meth:`metadata` (bytes) for peers."""
+        """Register memory regions (host: ``DRAM_SEG``, device: ``VRAM_SEG`` with the
+        GPU's index); returns :meth:`metadata` (bytes) for peers."""
         agent = self._check_open()
-        host_only(regions, self.name)
-        rows = np.array([(r.addr, r.nbytes, 0) for r in regions], dtype=np.uint64)
-        if rows.size == 0 or (rows[:, 1] == 0).any():
+        self.check_kinds(regions)
+        if not regions or any(r.nbytes == 0 for r in regions):
             raise TransportError(f"nothing to register or an empty region in {regions!r}")
-        try:
-            reg = _nb.nixlRegDList(_nb.DRAM_SEG, rows)
-            agent.register_memory(reg)
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot register {regions!r}: {exc!r}") from exc
-        with self._lock:
-            self._regs.append(reg)
+        for kind in MemKind:
+            rows = [(r.addr, r.nbytes, r.device) for r in regions if r.kind is kind]
+            if not rows:
+                continue
+            try:
+                reg = _nb.nixlRegDList(_SEG[kind], np.array(rows, dtype=np.uint64))
+                agent.register_memory(reg)
+            except _CAUGHT as exc:
+                raise TransportError(f"cannot register {regions!r}: {exc!r}") from exc
+            with self._lock:
+                self._regs.append(reg)
+                self._places = self._places.add([r for r in regions if r.kind is kind])
         return self.metadata()
 
     def metadata(self) -> bytes:
@@ -184,7 +180,9 @@ class NixlTransport(Transport):
             blob = bytes(self._check_open().get_agent_metadata())
         except _CAUGHT as exc:
             raise TransportError(f"cannot read metadata: {exc!r}") from exc
-        return _seal(self.name, blob)
+        with self._lock:
+            table = self._places.table
+        return seal(self.name, blob, table)
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's :meth:`metadata` (:class:`PeerError` if damaged); returns its name.
@@ -192,7 +190,7 @@ class NixlTransport(Transport):
         The same metadata again is a no-op. New metadata NIXL refuses under a known name
         (a restarted peer) replaces the old entry, failing that peer's live transfers."""
         self._check_open()
-        name, blob = _unseal(metadata)
+        name, blob, table = unseal(metadata)
         if name == self.name:
             raise PeerError(f"peer metadata carries this agent's own name {name!r}")
         md = bytes(metadata)
@@ -202,14 +200,14 @@ class NixlTransport(Transport):
             return name
         if known is not None:
             try:
-                return self._load(name, blob, md)
+                return self._load(name, blob, md, table)
             except PeerError as err:
                 if not isinstance(err.__cause__, _nb.nixlNotAllowedError):
                     raise
             self.remove_peer(name)
-        return self._load(name, blob, md)
+        return self._load(name, blob, md, table)
 
-    def _load(self, name: str, blob: bytes, md: bytes) -> str:
+    def _load(self, name: str, blob: bytes, md: bytes, table: np.ndarray) -> str:
         """Hand ``blob`` to NIXL; remember peer ``name`` with its sealed metadata ``md``."""
         agent = self._check_open()
         try:
@@ -220,6 +218,7 @@ class NixlTransport(Transport):
         with self._lock:
             if peer == name:
                 self._peers[peer] = md
+                self._peer_places[peer] = Places(table)
                 return peer
             if peer not in self._peers:
                 agent.remove_remote_agent(peer)
@@ -230,14 +229,14 @@ class NixlTransport(Transport):
         with self._lock:
             if self._closed or self._peers.pop(name, None) is None:
                 return
+            self._peer_places.pop(name, None)
             doomed = [h for h in self._live if h.peer == name]
         for handle in doomed:
             handle._error, handle.state = TransportError(f"peer {name!r} removed"), XferState.FAILED
             self._release(handle)
         _quietly(f"remove peer {name!r}", self._agent.remove_remote_agent, name)
 
-    def peers(self) -> list[str]:
-        """Names of the known peers, sorted."""
+    def peers(self) -> list[str]:  # the known peers' names, sorted
         with self._lock:
             return sorted(self._peers)
 
@@ -262,7 +261,7 @@ class NixlTransport(Transport):
     def _runs(self, op: str, peer: str, *arrays: object) -> tuple[np.ndarray, ...]:
         """Checked ``(local, remote, nbytes)`` uint64 arrays for ``op`` with ``peer``."""
         loc, rem, size = (
-            _as_u64(n, a) for n, a in zip(("local", "remote", "nbytes"), arrays, strict=True)
+            as_u64(n, a) for n, a in zip(("local", "remote", "nbytes"), arrays, strict=True)
         )
         if not loc.shape == rem.shape == size.shape:
             msg = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
@@ -286,8 +285,14 @@ class NixlTransport(Transport):
             except _CAUGHT as exc:
                 raise TransportError(f"notify {peer!r}: {exc!r}") from exc
             return NixlXferHandle(self, None, peer, 0, 0)
+        with self._lock:
+            here, there = self._places, self._peer_places.get(peer)
+        if there is None:
+            raise TransportError(f"{op}: peer {peer!r} was removed")
+        local_d = _descs(here.kind_devs(loc, "local"), loc, size)
+        remote_d = _descs(there.kind_devs(rem, f"{peer!r}'s"), rem, size)
         try:
-            xfer = agent.initialize_xfer(op, _descs(loc, size), _descs(rem, size), peer, msg)
+            xfer = agent.initialize_xfer(op, local_d, remote_d, peer, msg)
         except _CAUGHT as exc:
             raise TransportError(
                 f"{op} of {runs} runs ({total} B) with {peer!r} refused: {exc!r} "
@@ -295,10 +300,11 @@ class NixlTransport(Transport):
             ) from exc
         return self._start(op, xfer, peer, runs, total)
 
-    def prep(self, peer: str, rows: np.ndarray) -> Any:
-        """NIXL list of uint64 rows (addr, len, 0[, stride, count]); ``peer`` "": own memory."""
+    def prep(self, peer: str, rows: np.ndarray, mem: str = "DRAM") -> Any:
+        """NIXL list of uint64 rows (addr, len, dev[, stride, count]) of ``mem`` ("DRAM" or
+        "VRAM"); ``peer`` "": own memory."""
         try:
-            return self._check_open().prep_xfer_dlist(peer, rows, "DRAM")
+            return self._check_open().prep_xfer_dlist(peer, rows, mem)
         except _CAUGHT as exc:
             raise TransportError(f"cannot prepare {len(rows)} rows for {peer!r}: {exc!r}") from exc
 
@@ -392,9 +398,3 @@ class NixlTransport(Transport):
         for reg in regs:
             _quietly("deregister memory at close", self._agent.deregister_memory, reg)
         del self._agent
-
-    def __enter__(self) -> NixlTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
