@@ -40,3 +40,9 @@ def nixl_module() -> str:
     package, which picks the build matching the machine's CUDA, then ``nixl_cu13``,
     ``nixl_cu12``; :mod:`kvbridge.transport.nixl`)."""
     return os.environ.get("KVBRIDGE_NIXL", "")
+
+
+def triton_copies() -> bool:
+    """``KVBRIDGE_TRITON`` (default "1"): CUDA copies may use the fused Triton kernel;
+    "0" keeps them on torch's index kernels (:mod:`kvbridge.connector.device_copies`)."""
+    return os.environ.get("KVBRIDGE_TRITON", "1") != "0"

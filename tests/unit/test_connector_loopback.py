@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -62,11 +63,15 @@ class World:
         p_keys: Keys | None = None,
         d_keys: Keys | None = None,
         memory: tuple[MemKind, MemKind] = (MemKind.HOST, MemKind.HOST),
+        p_memory: Callable[[int], np.ndarray] | None = None,
     ):
+        """``p_memory``: how P's regions are allocated (bytes → uint8 array; default numpy)."""
         self.rng = np.random.default_rng(7)
         self.p = Side(SPEC, Parallel(p_tp), "hnd", 32)
         self.d = Side(SPEC.with_block_sizes(8), Parallel(d_tp), "block-major", 64)
         self.p.allocate(self.rng)
+        if p_memory is not None:
+            self.p.bufs = [[_moved(b, p_memory) for b in bufs] for bufs in self.p.bufs]
         self.d.allocate(self.rng)
         self.fabric = Fabric()
         self.producer = Producer("P", SPEC, self.p.par, SECRET, lease_s=lease_s, keys=p_keys)
@@ -122,6 +127,12 @@ class World:
         for w in self.workers:
             w.close()
         self.producer.close()
+
+
+def _moved(buf: np.ndarray, alloc: Callable[[int], np.ndarray]) -> np.ndarray:
+    out = alloc(buf.nbytes)
+    out[:] = buf
+    return out
 
 
 @pytest.fixture

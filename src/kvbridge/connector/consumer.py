@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvbridge.connector.fence import Check, Fence, Held
 from kvbridge.connector.handle import TransferHandle, checked_tables
+from kvbridge.connector.kernel_mover import kernel_mover
 from kvbridge.connector.load import (
     LoadState,
     Mode,
@@ -33,6 +34,7 @@ from kvbridge.connector.load import (
     lease_op,
 )
 from kvbridge.connector.peers import Peer, PeerCache
+from kvbridge.connector.pull import pull
 from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
 from kvbridge.connector.push_staging import StagedPusher, choose_push
 from kvbridge.connector.staging import Stager
@@ -47,7 +49,7 @@ from kvbridge.plan.plan import Plan
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
-from kvbridge.transport.base import Transport, XferHandle
+from kvbridge.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class Consumer:
         staging: bool = True,
         memory: MemKind = MemKind.HOST,
         device: int = 0,
+        kernel: bool = True,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
@@ -91,7 +94,9 @@ class Consumer:
         ``staging``: let the cost model stage a request (False: always direct; may be
         changed between requests).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
-        ``memory``, ``device``: where ``bases`` point (device memory: direct transfers)."""
+        ``memory``, ``device``: where ``bases`` point (device memory: direct transfers).
+        ``kernel``: copy with one kernel from P ranks of this node that share their memory
+        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
@@ -99,6 +104,7 @@ class Consumer:
         self.stager: Stager | None = None
         if staging_bytes >= workers * 4096 and memory is MemKind.HOST:
             self.stager = Stager(regions, workers, staging_bytes // workers)
+        self.kernel = kernel_mover(regions) if kernel else None
         self._probe = ProbeArea()
         extra = [self.stager.pool.region] if self.stager else []
         if mode is Mode.PUSH or not extra:
@@ -164,10 +170,7 @@ class Consumer:
             job.lap("handshake")
             plan, begun, left = self._begin(peer, job)
             job.move(LoadState.TRANSFER)
-            if self.mode is Mode.PUSH:
-                self._push(peer, job, plan.runs)
-            else:
-                self._transfer(peer, plan.runs, plan.nbytes, job)
+            mover, why = self._transfer(peer, plan, job)
             job.lap("transfer")
             late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
             job.move(LoadState.DONE)
@@ -180,6 +183,8 @@ class Consumer:
                 stages=job.stages,
                 staged_runs=job.staged_runs,
                 verified="at P" if late else "lease time",
+                mover=mover,
+                reason=why,
             )
         except Exception as e:  # every failure ends the request, typed in `error`
             if not isinstance(e, KVBridgeError):
@@ -259,54 +264,19 @@ class Consumer:
             on_end += closers
         return Held(out, job.live, checks, on_end)
 
-    def _transfer(self, peer: Peer, runs: dict[int, Runs], nbytes: int, job: _Load) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        t0 = time.perf_counter()
-        staged, slot = (
-            self.stager.choose(runs, peer.regions) if self.stager and self.staging else ({}, None)
-        )
-        handles: list[XferHandle] = []
-        try:
-            for src, r in runs.items():
-                if src not in staged:
-                    self._post(peer.agents[src], r, deadline, handles, job)
-            job.lap("post")
-            if self.stager is not None and slot is not None:
-                staged_live: list[XferHandle] = []
-                try:
-                    posted, moved = self.stager.pull(
-                        self.transport, peer.agents, staged, slot, deadline, staged_live
-                    )
-                finally:
-                    if staged_live:
-                        job.live += staged_live
-                        job.slot = slot
-                job.posted += posted
-                job.staged_runs += moved
-            for h in handles:
-                self.transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
-        except BaseException:
-            job.live += [h for h in handles if not self.transport.ended(h)]
-            raise
-        if self.stager is not None and not staged:
-            self.stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
-
-    def _post(
-        self, agent: str, r: Runs, deadline: float, handles: list[XferHandle], job: _Load
-    ) -> None:
-        """READ ``r`` in requests of at most :attr:`post_runs` runs, the deadline checked
-        before each (posting may copy inside the call: 512,000 small runs once took the
-        whole deadline and more)."""
-        s, d, n = r.as_uint64()
-        for lo in range(0, len(r), self.post_runs):
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"deadline of {self.timeout_s} s passed while posting: {lo} of "
-                    f"{len(r)} runs posted"
-                )
-            hi = lo + self.post_runs
-            handles.append(self.transport.read(agent, d[lo:hi], s[lo:hi], n[lo:hi]))
-            job.posted += len(n[lo:hi])
+    def _transfer(self, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
+        """Move ``plan``'s runs with the mover this request gets: ``(mover, why)``."""
+        sources = plan.runs.keys()
+        why = self.kernel.why_not(peer, sources) if self.kernel else "D's memory is not mapped"
+        if self.kernel is not None and not why:
+            job.posted += self.kernel.move(peer, plan.runs)
+            return "kernel", "P's memory is mapped here (same node)"
+        if self.mode is Mode.PUSH:
+            self._push(peer, job, plan.runs)
+            return "push", f"push mode; no kernel mover: {why}"
+        args = (self.stager, self.staging, peer, plan, job, self.timeout_s, self.post_runs)
+        pull(self.transport, *args)
+        return "pull", f"pull mode; no kernel mover: {why}"
 
     def _push(self, peer: Peer, job: _Load, runs: dict[int, Runs]) -> None:
         """Direct runs first, then the staged ones in rounds through a slot that, should
@@ -398,3 +368,5 @@ class Consumer:
                     fn()
         self._tell_p.shutdown(wait=False, cancel_futures=True)
         self.peers.close()
+        if self.kernel is not None:
+            self.kernel.close()

@@ -63,6 +63,11 @@ class Outcome:
     verified: str = ""
     """How success was established: ``lease time`` (the last byte landed well within the
     time P's ``begin`` reply granted) or ``at P`` (P answered that the lease still held)."""
+    mover: str = ""
+    """How the bytes moved: ``kernel`` (P's memory mapped here, one copy kernel), ``pull``
+    or ``push`` (over the transport, direct or staged)."""
+    reason: str = ""
+    """Why that mover (e.g. why the kernel mover could not serve this request)."""
 
 
 @dataclass(slots=True)

@@ -15,8 +15,10 @@ from kvbridge.control.messages import (
     PROTOCOL_VERSION,
     Handshake,
     HandshakeReply,
+    RankInfo,
     rank_layout,
     rank_regions,
+    rank_shares,
 )
 from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout, TransportError
@@ -47,6 +49,8 @@ class Peer:
     """Per P rank, its registered regions (sorted starts, ends): staged spans stay inside."""
     users: int = 0
     """Loads using this peer now (:meth:`PeerCache.get` … :meth:`PeerCache.done`)."""
+    ranks: dict[int, RankInfo] = field(default_factory=dict)
+    """What each P rank said at the handshake (memory kind, node, shares)."""
     """Per P rank, one address in its registered memory (a liveness probe reads 1 B)."""
 
     def rank_client(self, rank: int) -> Client:
@@ -214,6 +218,7 @@ class PeerCache:
         layouts = [rank_layout(info) for info in reply.ranks]
         for info, lay in zip(reply.ranks, layouts, strict=True):
             rank_regions(info, lay)  # a memory kind this side does not know is refused
+            rank_shares(info)
         names = {g.name: bs for g, bs in zip(self.spec.groups, layouts[0].block_sizes, strict=True)}
         spec_p = self.spec.with_block_sizes(names)
         p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]
@@ -248,6 +253,7 @@ class PeerCache:
                 i.rank: regions_of(i.bases, lay.regions)
                 for i, lay in zip(reply.ranks, layouts, strict=True)
             },
+            ranks={i.rank: i for i in reply.ranks},
         )
 
     def _forget(self, peer: Peer) -> None:

@@ -39,6 +39,7 @@ from kvbridge.layout.view import RankLayout
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport, XferHandle
+from kvbridge.transport.ipc import export
 
 
 class ProducerWorker:
@@ -73,9 +74,12 @@ class ProducerWorker:
         push_slot_bytes: int = 32 << 20,
         memory: MemKind = MemKind.HOST,
         device: int = 0,
+        share: bool = True,
     ):
         """``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``);
-        staged pushes gather on the host only for now (device memory: direct)."""
+        staged pushes gather on the host only for now (device memory: direct).
+        ``share``: offer D ranks of this node a mapping of the regions, where the memory
+        allows one (:mod:`kvbridge.transport.ipc`; D then copies with one kernel)."""
         self.rank = rank
         self.transport = transport
         self.timeout_s = push_timeout_s
@@ -96,7 +100,10 @@ class ProducerWorker:
             else None
         )
         endpoint = self.server.endpoint if self.server else ""
-        self.info = wire_layout(rank, layout, regions, meta, endpoint)
+        shares = [export(r) for r in regions] if share else []
+        offered = [x for x in shares if x is not None]
+        kept = offered if len(offered) == len(regions) else None
+        self.info = wire_layout(rank, layout, regions, meta, endpoint, kept)
 
     def _handle(self, msg: Message) -> Message:
         self._sweep()

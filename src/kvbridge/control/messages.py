@@ -16,6 +16,7 @@ import msgspec
 from kvbridge.errors import LayoutError, PeerError
 from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout, View
+from kvbridge.transport.ipc import Share, node_id
 
 PROTOCOL_VERSION = 6
 """6: a rank's memory kind and device (``RankInfo.memory``, ``RankInfo.device``)."""
@@ -40,6 +41,15 @@ class WireView(msgspec.Struct, array_like=True, frozen=True):
     piece_strides: list[int] = msgspec.field(default_factory=list)
 
 
+class WireShare(msgspec.Struct, array_like=True, frozen=True):
+    """One region as another process of P's node maps it (:class:`kvbridge.transport.ipc.Share`)."""
+
+    way: str
+    handle: bytes
+    offset: int
+    nbytes: int
+
+
 class RankInfo(msgspec.Struct, frozen=True):
     """One P (or, for push, D) rank: its layout, region addresses, transport metadata."""
 
@@ -57,6 +67,10 @@ class RankInfo(msgspec.Struct, frozen=True):
     """Where the rank's KV regions live (a :class:`MemKind` value)."""
     device: int = 0
     """The GPU (CUDA ordinal) holding them, for device memory."""
+    node: str = ""
+    """The rank's node (boot id): a D on the same node may map ``shares``."""
+    shares: list[WireShare] = msgspec.field(default_factory=list)
+    """Per region, how a process of the same node maps it (empty: it cannot)."""
 
     def memory_kind(self) -> MemKind:
         """:attr:`memory` checked; :class:`PeerError` for a kind this side does not know."""
@@ -201,8 +215,10 @@ def wire_layout(
     regions: list[Region],
     agent: bytes,
     endpoint: str = "",
+    shares: list[Share] | None = None,
 ) -> RankInfo:
-    """What a rank tells peers of ``layout``, held in ``regions`` (one memory kind)."""
+    """What a rank tells peers of ``layout``, held in ``regions`` (one memory kind), and
+    how a process of its node maps them (``shares``, one per region, or none)."""
     views = [
         WireView(
             v.layer,
@@ -234,7 +250,18 @@ def wire_layout(
         endpoint,
         regions[0].kind.value if regions else MemKind.HOST.value,
         regions[0].device if regions else 0,
+        node_id() if shares else "",
+        [WireShare(s.way, s.handle, s.offset, s.nbytes) for s in shares or []],
     )
+
+
+def rank_shares(info: RankInfo) -> list[Share]:
+    """The peer rank's shares, one per region (empty if it shares none)."""
+    if info.shares and len(info.shares) != len(info.regions):
+        raise PeerError(
+            f"rank {info.rank}: {len(info.shares)} shares for {len(info.regions)} regions"
+        )
+    return [Share(w.way, w.handle, w.offset, w.nbytes) for w in info.shares]
 
 
 def rank_regions(info: RankInfo, layout: RankLayout) -> list[Region]:

@@ -1,0 +1,170 @@
+"""The kernel mover: within a node, D maps P's regions and copies a request's runs with one
+gather-scatter per run length, no NIXL descriptor and no staging area.
+
+    P rank ── shares (CUDA IPC handles / shm files) over the side channel, at handshake ──► D
+    D rank:  P's regions mapped here (transport/ipc.py)     D's regions
+               └── one byte tensor over them (Span) ──rows_copy──► one byte tensor (Span)
+
+Addresses in a plan are P's and D's own; a :class:`Span` turns them into offsets of one
+tensor spanning every mapped region (so one kernel serves runs in any region; nothing
+between regions is touched: each run is checked to lie inside one region first). On a GPU
+the copies run on the mover's own CUDA stream and :meth:`KernelMover.move` returns only
+once they completed, also when it fails: a failed load is reported only after the kernels
+ended. The lease rules are the connector's, as for any mover: nothing is read before P
+answered ``begin``, and success needs the lease to have held until the copy ended.
+Measured on an H100 with a prototype (``docs/performance.md``): 65,536 runs of 1 KiB in
+0.103 ms, 1.5x a contiguous copy of the same bytes; 586-756 ms as NIXL descriptors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from kvbridge.connector.device_copies import rows_copy
+from kvbridge.connector.peers import Peer
+from kvbridge.control.messages import rank_shares
+from kvbridge.errors import TransportError
+from kvbridge.layout.tensor import MemKind, Region, regions_at
+from kvbridge.plan.runs import Runs
+from kvbridge.transport.ipc import Opened, node_id
+from kvbridge.transport.memory import byte_tensor, torch_device
+
+
+class Span:
+    """One ``uint8`` tensor spanning ``regions`` (in this process), addressed by the names
+    the plan uses for them: ``names[i]`` stands for ``regions[i].addr`` (P's address of a
+    region mapped here; D's own address by default)."""
+
+    def __init__(self, regions: list[Region], names: list[int] | None = None):
+        if not regions:
+            raise TransportError("a span needs at least one region")
+        names = [r.addr for r in regions] if names is None else names
+        order = np.argsort(np.array(names, dtype=np.int64), kind="stable")
+        addrs = np.array([regions[i].addr for i in order], dtype=np.int64)
+        sizes = np.array([regions[i].nbytes for i in order], dtype=np.int64)
+        self.names = np.array(names, dtype=np.int64)[order]
+        self.ends = self.names + sizes
+        origin = int(addrs.min())
+        self.local = addrs - origin
+        top = int((addrs + sizes).max())
+        first = regions[int(order[int(np.argmin(addrs))])]
+        self.tensor = byte_tensor(Region(origin, top - origin, first.kind, first.device))
+
+    def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
+        """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not
+        inside one region is a :class:`TransportError` before any byte moves."""
+        addr = addr.astype(np.int64, copy=False)
+        idx = np.searchsorted(self.names, addr, side="right") - 1
+        safe = np.maximum(idx, 0)
+        bad = (idx < 0) | (length <= 0) | (addr + length > self.ends[safe])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TransportError(
+                f"{what} run {i} [{int(addr[i]):#x}, +{int(length[i])}) lies in no region"
+            )
+        return self.local[safe] + (addr - self.names[safe])
+
+
+def by_length(length: np.ndarray) -> list[tuple[np.ndarray | slice, int]]:
+    """Runs grouped by length: ``(indices or a slice, length)``, each group in run order."""
+    if length.shape[0] == 0:
+        return []
+    if bool((length == length[0]).all()):  # one length: the common case
+        return [(slice(0, length.shape[0]), int(length[0]))]
+    order = np.argsort(length, kind="stable")
+    key = length[order]
+    cut = np.flatnonzero(key[1:] != key[:-1]) + 1
+    bounds = [0, *cut.tolist(), int(key.shape[0])]
+    return [(order[lo:hi], int(key[lo])) for lo, hi in itertools.pairwise(bounds)]
+
+
+class KernelMover:
+    """D's kernel mover over its KV ``regions`` (one memory: host, or one GPU)."""
+
+    name = "kernel"
+
+    def __init__(self, regions: list[Region]):
+        self.kind, self.device = regions[0].kind, regions[0].device
+        self.dst = Span(regions)
+        self.on = torch_device(self.kind, self.device)
+        self.stream = torch.cuda.Stream(device=self.on) if self.on.type == "cuda" else None
+        self._lock = threading.Lock()
+        self._sources: dict[tuple[str, int], tuple[str, Opened, Span]] = {}
+        self._retired: list[Opened] = []
+
+    def why_not(self, peer: Peer, sources: Iterable[int]) -> str:
+        """Why this mover cannot serve ``peer``'s ranks ``sources`` ("" if it can)."""
+        for src in sources:
+            info = peer.ranks.get(src)
+            if info is None or not info.shares:
+                return f"P rank {src} shares no memory"
+            if info.node != node_id():
+                return f"P rank {src} runs on another node"
+            if info.memory_kind() is not self.kind:
+                return f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
+        return ""
+
+    def move(self, peer: Peer, runs: dict[int, Runs]) -> int:
+        """Copy every run of ``runs`` (per P rank) from P's mapped memory; the number of
+        copy calls. Returns (or raises) only once every copy it started has ended."""
+        calls = 0
+        try:
+            for src, r in runs.items():
+                span = self._source(peer, src)
+                s_off = span.offsets(r.src, r.length, f"P rank {src}'s")
+                d_off = self.dst.offsets(r.dst, r.length, "this rank's")
+                for k, size in by_length(r.length):
+                    rows_copy(
+                        self.dst.tensor, d_off[k], span.tensor, s_off[k], size, stream=self.stream
+                    )
+                    calls += 1
+        finally:
+            if self.stream is not None:
+                self.stream.synchronize()
+        return calls
+
+    def _source(self, peer: Peer, src: int) -> Span:
+        """P rank ``src``'s regions mapped here (once per P epoch; an older epoch's
+        mapping is kept until :meth:`close`: another load may still be copying from it)."""
+        key = (peer.engine_id, src)
+        with self._lock:
+            known = self._sources.get(key)
+            if known is not None and known[0] == peer.epoch:
+                return known[2]
+            info = peer.ranks[src]
+            opened = Opened(rank_shares(info), self.device)
+            try:
+                sizes = tuple(s.nbytes for s in rank_shares(info))
+                here = regions_at(opened.bases, sizes, self.kind, self.device)
+                span = Span(here, names=list(info.bases))
+            except BaseException:
+                opened.close()
+                raise
+            if known is not None:
+                self._retired.append(known[1])
+            self._sources[key] = (peer.epoch, opened, span)
+            return span
+
+    def close(self) -> None:
+        """Unmap every P region (no load may be running)."""
+        with self._lock:
+            opened = [o for _, o, _ in self._sources.values()] + self._retired
+            self._sources, self._retired = {}, []
+        for o in opened:
+            o.close()
+
+
+def kernel_mover(regions: list[Region]) -> KernelMover | None:
+    """A kernel mover over ``regions`` if torch can reach their memory here, else None."""
+    try:
+        return KernelMover(regions) if regions else None
+    except TransportError:
+        return None
+
+
+__all__ = ["KernelMover", "MemKind", "Span", "by_length", "kernel_mover"]

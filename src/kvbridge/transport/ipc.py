@@ -1,0 +1,210 @@
+"""Sharing a rank's memory with another process of the same node, without NIXL.
+
+P describes each of its regions as a :class:`Share` at registration (:func:`export`); D,
+if it runs on the same node (:func:`node_id`), maps them into its own address space
+(:class:`Opened`) and copies with one gather-scatter kernel
+(:mod:`kvbridge.connector.kernel_mover`). Two ways:
+
+    cuda   device memory: a CUDA IPC handle of the allocation holding the region
+           (driver API ``cuIpcGetMemHandle`` / ``cuIpcOpenMemHandle``), plus the region's
+           offset in it. P and D on one GPU, or on GPUs with peer access.
+    shm    host memory backed by a file in /dev/shm (found in /proc/self/maps): D maps
+           the same file pages. Also how device memory emulated on the CPU is shared
+           (``KVBRIDGE_DEVICE_ON_CPU``), so the CPU tests run this module's D side.
+
+Anonymous host memory, or device memory the driver will not export (e.g. allocated with
+the virtual memory API), has no share: the mover is then unavailable and says why.
+Handles travel only over the authenticated side channel; a mapped region is readable
+and writable by D, so D reads it only under a held lease, like any transfer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+from kvbridge.errors import TransportError
+from kvbridge.layout.tensor import MemKind, Region
+from kvbridge.transport.memory import cuda_available
+
+__all__ = ["Opened", "Share", "export", "node_id"]
+
+SHM_DIR = "/dev/shm/"
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """How another process of this node maps one region: ``way`` "cuda" or "shm";
+    ``handle``: the CUDA IPC handle (64 bytes) or the file path (UTF-8); ``offset``: the
+    region's byte offset in the allocation or file; ``nbytes``: the region's size."""
+
+    way: str
+    handle: bytes
+    offset: int
+    nbytes: int
+
+
+@functools.cache
+def node_id() -> str:
+    """This machine's boot id: equal in two processes exactly when they share a node."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def export(region: Region) -> Share | None:
+    """How another process of this node can map ``region``; None if it cannot."""
+    if region.kind is MemKind.DEVICE and cuda_available():
+        return _cuda_export(region)
+    return _shm_export(region)
+
+
+def _shm_export(region: Region) -> Share | None:
+    """The /dev/shm file and offset behind ``region``, from this process's memory map."""
+    end = region.addr + region.nbytes
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= region.addr and end <= hi and len(parts) == 6:
+            path = parts[5].strip()
+            if not path.startswith(SHM_DIR) or path.endswith("(deleted)"):
+                return None
+            off = int(parts[2], 16) + region.addr - lo
+            return Share("shm", path.encode(), off, region.nbytes)
+    return None
+
+
+class Opened:
+    """P's shared regions mapped into this process, in P's region order.
+
+    ``bases[i]``: the local address of P's region ``i`` (its bytes are P's bytes);
+    :class:`TransportError` if a share cannot be mapped (another node, a closed file,
+    a handle the driver refuses). ``close()`` unmaps."""
+
+    def __init__(self, shares: list[Share], device: int = 0):
+        self._maps: list[mmap.mmap] = []
+        self._cuda: list[int] = []
+        self.bases: list[int] = []
+        self.device = device
+        try:
+            for s in shares:
+                self.bases.append(self._open(s))
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, s: Share) -> int:
+        if s.way == "shm":
+            return self._open_shm(s)
+        if s.way == "cuda":
+            addr = _cuda_open(s.handle, self.device)
+            self._cuda.append(addr)
+            return addr + s.offset
+        raise TransportError(f"unknown way of sharing memory {s.way!r}")
+
+    def _open_shm(self, s: Share) -> int:
+        path = s.handle.decode(errors="replace")
+        if not path.startswith(SHM_DIR) or "/../" in path or s.offset < 0 or s.nbytes <= 0:
+            raise TransportError(f"shared memory {path!r} +{s.offset} ({s.nbytes} B) refused")
+        page = s.offset - s.offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot open shared memory {path!r}: {exc}") from exc
+        try:
+            m = mmap.mmap(fd, s.offset - page + s.nbytes, offset=page)
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"cannot map {path!r} +{s.offset} {s.nbytes} B: {exc}") from exc
+        finally:
+            os.close(fd)
+        self._maps.append(m)
+        return ctypes.addressof(ctypes.c_uint8.from_buffer(m)) + s.offset - page
+
+    def close(self) -> None:
+        """Unmap everything; tensors over the mappings must not be used any more."""
+        for m in self._maps:
+            m.close()
+        for addr in self._cuda:
+            _cuda_close(addr)
+        self._maps, self._cuda = [], []
+
+
+# --- CUDA driver API, through ctypes (present wherever a CUDA GPU is) -----------------
+
+_LAZY_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+_DRIVER_LOCK = threading.Lock()
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise TransportError(f"CUDA driver not loadable: {exc}") from exc
+
+
+def _check(what: str, rc: int) -> None:
+    if rc != 0:
+        raise TransportError(f"CUDA driver: {what} failed with CUresult {rc}")
+
+
+def _current(device: int) -> None:
+    """Make the device's primary context current in this thread (torch owns it)."""
+    import torch
+
+    torch.cuda.set_device(device)
+    torch.cuda.current_stream(device)  # forces the context to exist
+
+
+def _cuda_export(region: Region) -> Share | None:
+    """The IPC handle of the allocation holding ``region``; None if not exportable."""
+    cu = _driver()
+    _current(region.device)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    handle = _IpcHandle()
+    with _DRIVER_LOCK:
+        rc = cu.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(region.addr)
+        )
+        if rc != 0 or region.addr + region.nbytes > base.value + size.value:
+            return None
+        if cu.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base.value)) != 0:
+            return None
+    return Share("cuda", bytes(handle.reserved), region.addr - base.value, region.nbytes)
+
+
+def _cuda_open(raw: bytes, device: int) -> int:
+    """Map a CUDA IPC handle (64 bytes) on ``device``; the local base address."""
+    if len(raw) != 64:
+        raise TransportError(f"a CUDA IPC handle has 64 bytes, not {len(raw)}")
+    cu = _driver()
+    _current(device)
+    handle = _IpcHandle()
+    ctypes.memmove(ctypes.addressof(handle), raw, 64)
+    ptr = ctypes.c_uint64()
+    with _DRIVER_LOCK:
+        _check(
+            "cuIpcOpenMemHandle",
+            cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, ctypes.c_uint(_LAZY_PEER_ACCESS)),
+        )
+    return int(ptr.value)
+
+
+def _cuda_close(addr: int) -> None:
+    with _DRIVER_LOCK:
+        _driver().cuIpcCloseMemHandle(ctypes.c_uint64(addr))

@@ -1,0 +1,181 @@
+"""The kernel mover: D maps P's regions (here shared through /dev/shm files, the CPU half
+of CUDA IPC) and copies a request with one gather-scatter per run length. Byte-exact
+against the element-wise reference; chosen only where P shares its memory, with the
+reason in the outcome; hostile shares and stray runs refused before any byte moves."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge.connector.kernel_mover import Span, by_length
+from kvbridge.errors import TransportError
+from kvbridge.layout.tensor import MemKind, Region
+from kvbridge.transport.ipc import Opened, Share, export, node_id
+from tests.unit.test_connector_loopback import World, check_bytes
+
+HOST, DEVICE = MemKind.HOST, MemKind.DEVICE
+
+
+class ShmPool:
+    """uint8 arrays backed by files in /dev/shm (unlinked at close)."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.maps: list[mmap.mmap] = []
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvb-test-")
+        self.paths.append(path)
+        os.ftruncate(fd, nbytes)
+        m = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        self.maps.append(m)
+        return np.frombuffer(m, dtype=np.uint8)
+
+    def close(self) -> None:
+        for p in self.paths:
+            os.unlink(p)
+
+
+@pytest.fixture
+def shm() -> Iterator[ShmPool]:
+    pool = ShmPool()
+    yield pool
+    pool.close()
+
+
+def load_one(w: World, rid: str = "r1", n: int = 45):
+    before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+    handle, d_tabs = w.request(rid, n)
+    w.consumers[0].load(handle, d_tabs)
+    (out,) = w.wait()
+    assert out.ok, out.error
+    check_bytes(w, before, n, 0, d_tabs)
+    return out
+
+
+def test_shared_p_memory_moves_by_kernel_byte_exact(shm: ShmPool) -> None:
+    w = World(p_memory=shm)
+    try:
+        assert all(i.shares and i.node == node_id() for i in w.producer.ranks.values())
+        out = load_one(w)
+        assert (out.mover, out.reason) == ("kernel", "P's memory is mapped here (same node)")
+        assert 0 < out.descriptors <= 8  # copy calls: one per run length and P rank
+        out2 = load_one(w, "r2", 70)  # the mapping is kept per P epoch
+        assert out2.mover == "kernel"
+    finally:
+        w.close()
+
+
+def test_unshared_p_memory_is_pulled_and_the_outcome_says_why() -> None:
+    w = World()  # numpy memory: anonymous, no share
+    try:
+        out = load_one(w)
+        assert out.mover == "pull" and "P rank 0 shares no memory" in out.reason
+    finally:
+        w.close()
+
+
+def test_kernel_mover_on_device_memory_runs_the_device_path(
+    shm: ShmPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVBRIDGE_DEVICE_ON_CPU", "1")
+    w = World(p_memory=shm, memory=(DEVICE, DEVICE))
+    try:
+        assert load_one(w).mover == "kernel"
+    finally:
+        w.close()
+    w = World(p_memory=shm, memory=(DEVICE, HOST))  # a host D cannot run P's kernel
+    try:
+        out = load_one(w)
+        assert out.mover == "pull" and "keeps device memory, this rank host" in out.reason
+    finally:
+        w.close()
+
+
+def test_kernel_mover_can_be_turned_off(shm: ShmPool) -> None:
+    w = World(p_memory=shm)
+    try:
+        for c in w.consumers:
+            c.kernel = None
+        assert load_one(w).mover == "pull"
+    finally:
+        w.close()
+
+
+def test_shares_are_found_only_for_shm_backed_memory(shm: ShmPool) -> None:
+    backed = shm(3 * 4096)
+    share = export(Region(int(backed.ctypes.data) + 4100, 5000))
+    assert share is not None and share.way == "shm" and share.offset == 4100
+    assert export(Region(int(np.zeros(8192, np.uint8).ctypes.data), 8192)) is None
+    opened = Opened([share])
+    try:
+        backed[4100:4110] = np.arange(10, dtype=np.uint8)
+        seen = np.ctypeslib.as_array((ctypes.c_uint8 * 10).from_address(opened.bases[0]))
+        assert seen.tolist() == list(range(10))  # the same pages, mapped again
+    finally:
+        opened.close()
+
+
+@pytest.mark.parametrize(
+    "share",
+    [
+        Share("shm", b"/etc/passwd", 0, 64),
+        Share("shm", b"/dev/shm/../etc/passwd", 0, 64),
+        Share("shm", b"/dev/shm/kvb-no-such-file", 0, 64),
+        Share("shm", b"/dev/shm/x", -4096, 64),
+        Share("rdma", b"whatever", 0, 64),
+        Share("cuda", b"short", 0, 64),
+    ],
+)
+def test_hostile_shares_are_refused_typed(share: Share) -> None:
+    with pytest.raises(TransportError):
+        Opened([share])
+
+
+def test_a_hostile_share_fails_the_load_typed_and_loses_nothing(shm: ShmPool) -> None:
+    import msgspec
+
+    from kvbridge.control.messages import WireShare
+
+    w = World(p_memory=shm)
+    try:
+        for r, info in list(w.producer.ranks.items()):
+            bad = [WireShare("shm", b"/etc/shadow", 0, s.nbytes) for s in info.shares]
+            w.producer.ranks[r] = msgspec.structs.replace(info, shares=bad)
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("r1", 45)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert not out.ok and "TransportError" in out.error and "/etc/shadow" in out.error
+        for got, was in zip(w.d.bufs[0], before[0], strict=True):
+            assert np.array_equal(got, was)  # nothing landed
+    finally:
+        w.close()
+
+
+def test_span_maps_names_to_offsets_and_refuses_stray_runs() -> None:
+    a, b = np.zeros(4096, np.uint8), np.zeros(1024, np.uint8)
+    regions = [Region(int(a.ctypes.data), 4096), Region(int(b.ctypes.data), 1024)]
+    span = Span(regions, names=[1 << 20, 1 << 30])  # as P addresses them
+    off = span.offsets(np.array([(1 << 20) + 8, (1 << 30) + 16]), np.array([8, 8]), "x")
+    span.tensor[off[0] : off[0] + 8] = 1
+    span.tensor[off[1] : off[1] + 8] = 2
+    assert a[8:16].tolist() == [1] * 8 and b[16:24].tolist() == [2] * 8
+    assert a.sum() == 8 and b.sum() == 16
+    for addr, n in [((1 << 20) + 4090, 8), ((1 << 20) - 1, 2), ((1 << 30) + 1024, 1), (1 << 20, 0)]:
+        with pytest.raises(TransportError, match="lies in no region"):
+            span.offsets(np.array([addr]), np.array([n]), "x")
+
+
+def test_by_length_groups_runs_in_order() -> None:
+    groups = by_length(np.array([8, 4, 8, 4, 2]))
+    assert [(np.asarray(k).tolist(), n) for k, n in groups] == [([4], 2), ([1, 3], 4), ([0, 2], 8)]
+    assert by_length(np.array([3, 3])) == [(slice(0, 2), 3)]
