@@ -42,7 +42,7 @@ from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
-from kvbridge.layout.tensor import MemKind, regions_at
+from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Bound
 from kvbridge.plan.plan import Plan
@@ -101,15 +101,8 @@ class Consumer:
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
         regions = regions_at(bases, layout.regions, memory, device)
-        self.stager: Stager | None = None
-        if staging_bytes >= workers * 4096 and memory is MemKind.HOST:
-            self.stager = Stager(regions, workers, staging_bytes // workers)
         self.kernel = kernel_mover(regions) if kernel else None
-        self._probe = ProbeArea()
-        extra = [self.stager.pool.region] if self.stager else []
-        if mode is Mode.PUSH or not extra:
-            extra.append(self._probe.region)  # the push fence's probes land here
-        self.metadata = transport.register(regions + extra)
+        self.metadata = self._register(regions, staging_bytes, workers)
         self._notifs: set[bytes] = set()
         self.peers = PeerCache(
             engine_id, spec, par, rank, Bound(layout, tuple(bases)), transport, secret,
@@ -124,6 +117,18 @@ class Consumer:
         self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
         self._renewer = threading.Thread(target=self._renew_loop, daemon=True)
         self._renewer.start()
+
+    def _register(self, regions: list[Region], staging_bytes: int, workers: int) -> bytes:
+        """Register the KV ``regions``, the staging area (host memory only, for now) and
+        the push fence's probe area with the transport; this rank's metadata."""
+        self.stager: Stager | None = None
+        if staging_bytes >= workers * 4096 and all(r.kind is MemKind.HOST for r in regions):
+            self.stager = Stager(regions, workers, staging_bytes // workers)
+        self._probe = ProbeArea()
+        extra = [self.stager.pool.region] if self.stager else []
+        if self.mode is Mode.PUSH or not extra:
+            extra.append(self._probe.region)  # the push fence's probes land here
+        return self.transport.register(regions + extra)
 
     def load(self, handle: TransferHandle, tables: list[list[int]], cached: int = 0) -> None:
         """Queue the transfer of ``handle``'s request into local ``tables``."""
