@@ -1,0 +1,279 @@
+"""vLLM's GPU KV caches described in place, from the logical view vLLM itself makes.
+
+vLLM 0.32 places every cache in one logical byte space ``[L, B, H, N, C]`` (layers, blocks,
+head slots, states per block, content bytes; ``vllm/v1/kv_cache_interface.py``:
+``compute_layer_kv_cache_shape_bytes``, ``compute_layout_strides``). The layout,
+``VLLM_KV_CACHE_LAYOUT`` (``vllm/v1/kv_cache_layout.py``, ``KVCacheLayout``), is only the
+order of those axes in memory: ``LBHNC``, ``LBNHC``, ``LHBNC`` (layer outermost) and
+``BLHNC``, ``BLNHC``, ``BHLNC`` (block outermost: a block holds every layer's page). Pages
+may be padded (``page_size_padded``), and the groups of a hybrid model alias one
+allocation. ``create_kv_cache_views`` (called by ``vllm/v1/worker/utils.py``,
+``allocate_kv_cache``) gives every layer one strided 4-D view ``[B, H, N, C]`` of the int8
+buffer, in the spec's dtype; that dict is what ``register_kv_caches`` receives:
+
+- attention: ``C`` = K then V of one head and token (``head_size + head_size_v``
+  elements; the backends split it there, e.g. ``flash_attn.py``:
+  ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``);
+- MLA (``MLAAttentionSpec``, ``head_size_v = 0``): ``H = 1``, ``C`` = one latent;
+- Mamba-2 / Gated DeltaNet (``MambaSpec``): int8 ``[B, 1, 1, C]``; each page holds the
+  conv state then the SSM state, dense (``MambaBase.bind_kv_cache``), conv
+  ``[kernel-1, channels]`` (``SD``) or ``[channels, kernel-1]`` (``DS``), chosen by
+  ``VLLM_SSM_CONV_STATE_LAYOUT`` (``mamba_utils.get_conv_state_layout``).
+
+Where a backend takes smaller blocks than the allocator (``kernel_block_size``), B counts
+kernel blocks, ``block_size / N`` per vLLM block. A vLLM block's tokens are then one stride
+apart only if ``N`` is the outer axis of a kernel page (``LBNHC``); otherwise (``LBHNC``)
+kvbridge describes kernel blocks, and vLLM block ``b`` is kernel blocks ``b·split …
+b·split + split - 1`` (:func:`kernel_tables`).
+
+Strides are always read from the tensor; a layout name, when given, only cross-checks their
+order. Nothing is copied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.api import (
+    ConfigError,
+    Group,
+    Kind,
+    Layer,
+    ModelSpec,
+    Parallel,
+    RankLayout,
+    RegionSet,
+    TensorDesc,
+    View,
+    shard_interval,
+    tensor_views,
+)
+from kvbridge.integrations.vllm.state import state_descs, state_views
+
+KV = ("k", "v")
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""vLLM 0.32's ``KVCacheLayout`` names: the logical axes ``[L, B, H, N, C]`` outermost first."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDescs:
+    """One layer's cache as kvbridge tensors."""
+
+    descs: tuple[TensorDesc, ...]
+    streams: tuple[tuple[str, ...], ...]
+    """Per tensor: the kvbridge streams along its S axis (one name: no S axis)."""
+    block_size: int
+    """Tokens per described block (1: a state slot)."""
+    split: int = 1
+    """Described blocks per vLLM block (> 1: kernel blocks, see :func:`kernel_tables`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuLayout:
+    """A rank's layout over vLLM's tensors; ``bases``: region base addresses (bytes)."""
+
+    layout: RankLayout
+    bases: list[int]
+    spec: ModelSpec
+    """The model spec with each group's block size as described (planning takes this one)."""
+    splits: tuple[int, ...]
+    """Per spec group: described blocks per vLLM block (see :func:`kernel_tables`)."""
+
+
+def check_order(name: str, shape: Sequence[int], strides: Sequence[int], layout: str) -> None:
+    """Raise :class:`ConfigError` unless the axes of ``[B, H, N, C]`` longer than one lie in
+    memory in the order ``layout`` names them (``strides`` in elements, decreasing)."""
+    want = [a for a in layout.upper() if a != "L"]
+    if sorted(want) != sorted("BHNC") or len(layout) != 5:
+        raise ConfigError(f"{name}: {layout!r} is not a vLLM KV cache layout ({LAYOUTS})")
+    live = [a for a, n in zip("BHNC", shape, strict=True) if n > 1]
+    got = sorted(live, key=lambda a: -strides["BHNC".index(a)])
+    if got != [a for a in want if a in live]:
+        raise ConfigError(
+            f"{name}: view {tuple(shape)} of strides {tuple(strides)} keeps its axes in the "
+            f"order {''.join(got)}, not vLLM layout {layout}"
+        )
+
+
+def _dims(name: str, t: Any, layout: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides (elements) of a layer's logical ``[B, H, N, C]`` view."""
+    if t.dim() != 4:
+        raise ConfigError(f"{name}: vLLM cache view of shape {tuple(t.shape)}; expected [B,H,N,C]")
+    shape = tuple(int(x) for x in t.shape)
+    strides = tuple(int(s) for s in t.stride())
+    if strides[3] != 1:
+        raise ConfigError(f"{name}: content axis C of stride {strides[3]}, expected 1")
+    if layout is not None:
+        check_order(name, shape, strides, layout)
+    return shape, strides
+
+
+def attention_descs(name: str, t: Any, spec: Any, layout: str | None = None) -> GpuDescs:
+    """K and V (one tensor with an S axis, or two when their head sizes differ) or the MLA
+    latent of one layer, from its ``[B, H, N, C]`` view ``t`` and vLLM ``AttentionSpec``."""
+    (nb, heads, rows, content), (sb, sh, sn, _) = _dims(name, t, layout)
+    item, addr = int(t.element_size()), int(t.data_ptr())
+    hk, hv = int(spec.head_size), int(spec.head_size_v or 0)
+    packed = getattr(spec, "state_content_bytes", None) or getattr(spec, "num_head_slots", None)
+    if packed or getattr(spec, "tokens_per_state", 1) != 1:
+        raise ConfigError(f"{name}: packed or compressed vLLM cache ({type(spec).__name__})")
+    if content != hk + hv or heads != int(spec.num_kv_heads):
+        raise ConfigError(
+            f"{name}: view {tuple(t.shape)} is not [blocks, {spec.num_kv_heads} heads, tokens, "
+            f"{hk}+{hv}]"
+        )
+    if item != getattr(spec.dtype, "itemsize", item):
+        raise ConfigError(f"{name}: {t.dtype} view of a {spec.dtype} cache")
+    split, rest = divmod(int(spec.block_size), rows)
+    if rest or nb % split:
+        raise ConfigError(f"{name}: {nb} blocks of {rows} tokens for vLLM blocks of {split * rows}")
+    if split > 1 and sb == rows * sn:  # kernel blocks that continue each other's tokens
+        nb, sb, rows, split = nb // split, sb * split, rows * split, 1
+    if hv == 0:
+        latent = TensorDesc(addr, (nb, heads, rows, hk), (sb, sh, sn, 1), item, "BHTD")
+        return GpuDescs((latent,), (("latent",),), rows, split)
+    if hk == hv:
+        kv = TensorDesc(addr, (nb, heads, rows, 2, hk), (sb, sh, sn, hk, 1), item, "BHTSD")
+        return GpuDescs((kv,), (KV,), rows, split)
+    k = TensorDesc(addr, (nb, heads, rows, hk), (sb, sh, sn, 1), item, "BHTD")
+    v = TensorDesc(addr + hk * item, (nb, heads, rows, hv), (sb, sh, sn, 1), item, "BHTD")
+    return GpuDescs((k, v), (("k",), ("v",)), rows, split)
+
+
+def state_gpu_descs(
+    name: str, t: Any, spec: Any, dim_first: bool, layout: str | None = None
+) -> GpuDescs:
+    """Conv and SSM / recurrent state of a ``MambaSpec`` layer from its int8 page view
+    ``[B, 1, 1, C]`` (``dim_first``: conv kept ``[channels, kernel-1]``, vLLM's ``DS``)."""
+    (_, heads, rows, content), _ = _dims(name, t, layout)
+    shapes = tuple(tuple(int(x) for x in s) for s in spec.shapes)
+    dtypes = tuple(spec.dtypes)
+    if len(shapes) != 2 or len(dtypes) != 2:
+        raise ConfigError(f"{name}: {len(shapes)} state tensors {shapes}; expected conv, ssm")
+    need = sum(
+        math.prod(s) * int(getattr(d, "itemsize", 0)) for s, d in zip(shapes, dtypes, strict=True)
+    )
+    if (heads, rows) != (1, 1) or t.element_size() != 1 or content < need:
+        raise ConfigError(
+            f"{name}: vLLM state view {tuple(t.shape)} {t.dtype}; expected int8 [B, 1, 1, ≥ {need}]"
+        )
+    descs = state_descs(name, t, shapes, dtypes, dim_first)
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    ssm = "recurrent_state" if kind == "GDN_ATTN" else "ssm_state"
+    return GpuDescs(tuple(descs), (("conv_state",), (ssm,)), 1)
+
+
+def gpu_views(
+    layer: Layer,
+    name: str,
+    t: Any,
+    kv_spec: Any,
+    par: Parallel,
+    tp_rank: int,
+    regions: RegionSet,
+    layout: str | None = None,
+    dim_first: bool = False,
+) -> tuple[list[View], GpuDescs]:
+    """kvbridge views of one vLLM layer cache ``t`` (``kv_spec``: its vLLM spec) on
+    ``tp_rank``, checked against the kvbridge ``layer``; and the descriptions."""
+    if layer.kind is Kind.STATE:
+        d = state_gpu_descs(name, t, kv_spec, dim_first, layout)
+        return state_views(layer, name, list(d.descs), par.tp, tp_rank, regions), d
+    d = attention_descs(name, t, kv_spec, layout)
+    by_name = {s.name: s for s in layer.streams}
+    views: list[View] = []
+    for desc, names in zip(d.descs, d.streams, strict=True):
+        if any(n not in by_name for n in names):
+            raise ConfigError(f"{name}: streams {names}; kvbridge layer has {sorted(by_name)}")
+        stream = by_name[names[0]]
+        units = shard_interval(stream.segments[0].units, par.tp, tp_rank, stream.replicated)
+        views += tensor_views(layer.index, desc, names, units, regions)
+    for v in views:
+        want = by_name[v.stream].segments[0].unit_bytes
+        if v.unit_bytes[0] != want:
+            raise ConfigError(f"{name}: {v.stream} units of {v.unit_bytes[0]} bytes, spec {want}")
+    return views, d
+
+
+def storage_regions(kv_caches: Mapping[str, Any]) -> RegionSet:
+    """The storages (host memory) under vLLM's layer views, each registered once."""
+    regions = RegionSet()
+    for name, t in kv_caches.items():
+        for x in t if isinstance(t, (list, tuple)) else [t]:
+            if x.device.type != "cpu":
+                raise ConfigError(f"{name}: {x.device} memory; pass a RegionSet of device regions")
+            st = x.untyped_storage()
+            regions.add(st.data_ptr(), st.nbytes())
+    return regions
+
+
+def gpu_rank_layout(
+    spec: ModelSpec,
+    par: Parallel,
+    tp_rank: int,
+    kv_caches: Mapping[str, Any],
+    kv_specs: Mapping[str, Any],
+    layer_names: Mapping[str, int],
+    layout: str | None = None,
+    dim_first: bool = False,
+    regions: RegionSet | None = None,
+) -> GpuLayout:
+    """The :class:`RankLayout` of ``kv_caches`` (vLLM layer name → its view, as
+    ``register_kv_caches`` gets them; ``kv_specs``: name → vLLM spec; ``layer_names``: name
+    → kvbridge layer of ``spec``, whose groups have vLLM's block sizes). Where vLLM keeps
+    kernel blocks whose tokens do not continue each other, the group is described in kernel
+    blocks: :attr:`GpuLayout.spec` says so, and :func:`kernel_tables` maps block ids. Groups
+    of one split share one pool of block ids, as vLLM's groups do."""
+    regions = storage_regions(kv_caches) if regions is None else regions
+    views: list[View] = []
+    blocks: dict[int, tuple[int, int]] = {}
+    for name, t in kv_caches.items():
+        if name not in layer_names or name not in kv_specs:
+            raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
+        i = layer_names[name]
+        lay = spec.layers[i]
+        vs, d = gpu_views(lay, name, t, kv_specs[name], par, tp_rank, regions, layout, dim_first)
+        g = spec.group_of(i)
+        if blocks.setdefault(g, (d.block_size, d.split)) != (d.block_size, d.split):
+            raise ConfigError(f"{name}: blocks of {d.block_size} ×{d.split}, group: {blocks[g]}")
+        views += vs
+    groups, splits, counts = _group_blocks(spec, blocks, views)
+    pools = tuple(sorted(set(splits)).index(s) for s in splits)
+    sizes = tuple(g.block_size for g in groups)
+    rank = RankLayout(regions.sizes, tuple(views), sizes, counts, pools)
+    described = ModelSpec(spec.name, spec.layers, groups)
+    return GpuLayout(rank, list(regions.bases), described, splits)
+
+
+def _group_blocks(
+    spec: ModelSpec, blocks: Mapping[int, tuple[int, int]], views: Sequence[View]
+) -> tuple[tuple[Group, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per spec group: the group as described, its split, the blocks (slots) held."""
+    groups, splits, counts = [], [], []
+    for g, grp in enumerate(spec.groups):
+        if g not in blocks:
+            raise ConfigError(f"group {grp.name}: vLLM registered none of its layers")
+        bs, split = blocks[g]
+        if grp.block_size != bs * split:
+            raise ConfigError(
+                f"group {grp.name}: spec blocks of {grp.block_size} tokens, vLLM's cache "
+                f"holds blocks of {bs * split}"
+            )
+        groups.append(Group(grp.name, grp.layers, bs))
+        splits.append(split)
+        counts.append(min(v.blocks for v in views if spec.group_of(v.layer) == g))
+    return tuple(groups), tuple(splits), tuple(counts)
+
+
+def kernel_tables(tables: Sequence[Sequence[int]], splits: Sequence[int]) -> list[list[int]]:
+    """vLLM's per-group block ids as described block ids: id ``b`` of a group split in
+    ``s`` kernel blocks becomes ``b·s, …, b·s + s - 1`` (as vLLM's
+    ``AttentionGroup.map_to_kernel_block_table``, ``vllm/v1/worker/utils.py``, maps them
+    for its kernels)."""
+    return [
+        list(tab) if s == 1 else [b * s + j for b in tab for j in range(s)]
+        for tab, s in zip(tables, splits, strict=True)
+    ]
