@@ -23,6 +23,7 @@ from kvbridge.connector.push_gather import spans
 from kvbridge.control import messages
 from kvbridge.control.messages import PushRuns, seal, unseal
 from kvbridge.errors import TransportError
+from kvbridge.layout.tensor import MemKind
 from kvbridge.spec import Parallel
 from kvbridge.testing.scenario import Side
 from kvbridge.transport.base import Region
@@ -36,7 +37,13 @@ N = 200
 class HeadSplit(World):
     """P TP 1 → D TP 2, NHD on both sides, push mode (the World helper's methods)."""
 
-    def __init__(self, timeout_s: float = 5.0, staging_bytes: int = 32 << 20, push_slots: int = 2):
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        staging_bytes: int = 32 << 20,
+        push_slots: int = 2,
+        memory: MemKind = MemKind.HOST,
+    ):
         self.rng = np.random.default_rng(7)
         self.p = Side(SPEC, Parallel(1), "nhd", 32)
         self.d = Side(SPEC, Parallel(2), "nhd", 64)
@@ -48,7 +55,15 @@ class HeadSplit(World):
         bases = list(self.p.bound(0).bases)
         lay = self.p.layouts[0]
         worker = ProducerWorker(
-            0, lay, bases, agent, SECRET, "127.0.0.1", timeout_s, push_slots=push_slots
+            0,
+            lay,
+            bases,
+            agent,
+            SECRET,
+            "127.0.0.1",
+            timeout_s,
+            push_slots=push_slots,
+            memory=memory,
         )
         self.workers = [worker]
         self.producer.add_rank(worker.info)
@@ -65,6 +80,7 @@ class HeadSplit(World):
                 transfer_timeout_s=timeout_s,
                 staging_bytes=staging_bytes,
                 mode=Mode.PUSH,
+                memory=memory,
             )
             for r in range(2)
         ]

@@ -94,7 +94,7 @@ class Consumer:
         ``staging``: let the cost model stage a request (False: always direct; may be
         changed between requests).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
-        ``memory``, ``device``: where ``bases`` point (device memory: direct transfers).
+        ``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``).
         ``kernel``: copy with one kernel from P ranks of this node that share their memory
         (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
@@ -119,10 +119,10 @@ class Consumer:
         self._renewer.start()
 
     def _register(self, regions: list[Region], staging_bytes: int, workers: int) -> bytes:
-        """Register the KV ``regions``, the staging area (host memory only, for now) and
-        the push fence's probe area with the transport; this rank's metadata."""
+        """Register the KV ``regions``, the staging area (in the same memory) and the
+        push fence's probe area with the transport; this rank's metadata."""
         self.stager: Stager | None = None
-        if staging_bytes >= workers * 4096 and all(r.kind is MemKind.HOST for r in regions):
+        if staging_bytes >= workers * 4096 and regions:
             self.stager = Stager(regions, workers, staging_bytes // workers)
         self._probe = ProbeArea()
         extra = [self.stager.pool.region] if self.stager else []

@@ -18,69 +18,20 @@ Measured on an H100 with a prototype (``docs/performance.md``): 65,536 runs of 1
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 from kvbridge.connector.device_copies import rows_copy
+from kvbridge.connector.device_memory import Span, by_length
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
 from kvbridge.errors import TransportError
-from kvbridge.layout.tensor import MemKind, Region, regions_at
+from kvbridge.layout.tensor import Region, regions_at
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.ipc import Opened, node_id
-from kvbridge.transport.memory import byte_tensor, torch_device
-
-
-class Span:
-    """One ``uint8`` tensor spanning ``regions`` (in this process), addressed by the names
-    the plan uses for them: ``names[i]`` stands for ``regions[i].addr`` (P's address of a
-    region mapped here; D's own address by default)."""
-
-    def __init__(self, regions: list[Region], names: list[int] | None = None):
-        if not regions:
-            raise TransportError("a span needs at least one region")
-        names = [r.addr for r in regions] if names is None else names
-        order = np.argsort(np.array(names, dtype=np.int64), kind="stable")
-        addrs = np.array([regions[i].addr for i in order], dtype=np.int64)
-        sizes = np.array([regions[i].nbytes for i in order], dtype=np.int64)
-        self.names = np.array(names, dtype=np.int64)[order]
-        self.ends = self.names + sizes
-        origin = int(addrs.min())
-        self.local = addrs - origin
-        top = int((addrs + sizes).max())
-        first = regions[int(order[int(np.argmin(addrs))])]
-        self.tensor = byte_tensor(Region(origin, top - origin, first.kind, first.device))
-
-    def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
-        """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not
-        inside one region is a :class:`TransportError` before any byte moves."""
-        addr = addr.astype(np.int64, copy=False)
-        idx = np.searchsorted(self.names, addr, side="right") - 1
-        safe = np.maximum(idx, 0)
-        bad = (idx < 0) | (length <= 0) | (addr + length > self.ends[safe])
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise TransportError(
-                f"{what} run {i} [{int(addr[i]):#x}, +{int(length[i])}) lies in no region"
-            )
-        return self.local[safe] + (addr - self.names[safe])
-
-
-def by_length(length: np.ndarray) -> list[tuple[np.ndarray | slice, int]]:
-    """Runs grouped by length: ``(indices or a slice, length)``, each group in run order."""
-    if length.shape[0] == 0:
-        return []
-    if bool((length == length[0]).all()):  # one length: the common case
-        return [(slice(0, length.shape[0]), int(length[0]))]
-    order = np.argsort(length, kind="stable")
-    key = length[order]
-    cut = np.flatnonzero(key[1:] != key[:-1]) + 1
-    bounds = [0, *cut.tolist(), int(key.shape[0])]
-    return [(order[lo:hi], int(key[lo])) for lo, hi in itertools.pairwise(bounds)]
+from kvbridge.transport.memory import torch_device
 
 
 class KernelMover:
@@ -167,4 +118,4 @@ def kernel_mover(regions: list[Region]) -> KernelMover | None:
         return None
 
 
-__all__ = ["KernelMover", "MemKind", "Span", "by_length", "kernel_mover"]
+__all__ = ["KernelMover", "kernel_mover"]

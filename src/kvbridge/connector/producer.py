@@ -76,8 +76,8 @@ class ProducerWorker:
         device: int = 0,
         share: bool = True,
     ):
-        """``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``);
-        staged pushes gather on the host only for now (device memory: direct).
+        """``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``;
+        a staged push gathers where they live).
         ``share``: offer D ranks of this node a mapping of the regions, where the memory
         allows one (:mod:`kvbridge.transport.ipc`; D then copies with one kernel)."""
         self.rank = rank
@@ -90,7 +90,7 @@ class ProducerWorker:
         """The staging slot each kept write reads from."""
         regions = regions_at(bases, layout.regions, memory, device)
         self.gather: PushGather | None = None
-        if secret is not None and push_slots > 0 and memory is MemKind.HOST:
+        if secret is not None and push_slots > 0 and regions:
             self.gather = PushGather(regions, push_slots, push_slot_bytes)
         extra = [self.gather.pool.region] if self.gather is not None else []
         meta = transport.register(regions + extra)

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.connector.copies import LocalMemory
-from kvbridge.connector.staging import StagingPool
+from kvbridge.connector.staging import StagingPool, local_memory
 from kvbridge.transport.base import Region, Transport, XferHandle
 
 MIN_RUNS = 16
@@ -65,8 +64,8 @@ class PushGather:
     ``regions``: the rank's KV regions (the only memory a gather may read)."""
 
     def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
-        self.pool = StagingPool(slots, slot_bytes)
-        self.memory = LocalMemory(regions)
+        self.pool = StagingPool(slots, slot_bytes, regions[0].kind, regions[0].device)
+        self.memory = local_memory(regions)
         self.gathered = 0
         """Staged pushes written from a slot."""
         self.direct = 0

@@ -24,8 +24,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Any
 
 import numpy as np
+import torch
 
 from kvbridge.connector.copies import (
     VIEW_S,
@@ -35,10 +37,14 @@ from kvbridge.connector.copies import (
     gather_word,
     progressions,
 )
+from kvbridge.connector.device_copies import copy_cost_probe
+from kvbridge.connector.device_memory import DeviceMemory
 from kvbridge.connector.spans import Chunk, Regions, chunks
 from kvbridge.errors import TransportError
+from kvbridge.layout.tensor import MemKind
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
+from kvbridge.transport.memory import torch_device
 
 DESC_COST_S = 2e-6
 """Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
@@ -62,12 +68,20 @@ class CostModel:
     byte moved) are learned from the direct transfers the consumer times: small runs
     tell ``c_desc``, long ones ``c_byte``."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        """``device``: the copies run there as torch kernels (device memory), measured
+        once (:func:`~kvbridge.connector.device_copies.copy_cost_probe`); else numpy's."""
         self.c_desc = DESC_COST_S
         self.c_byte = TRANSFER_S_PER_B
-        self.per_run, self.per_byte = _measure_scatter(whole=False)
-        self.whole_run, self.whole_byte = _measure_scatter(whole=True)
-        self.per_byte_strided = _measure_strided()
+        self.on_device = device is not None
+        if device is not None:
+            self.per_run, self.per_byte = copy_cost_probe(device)
+            self.whole_run, self.whole_byte = self.per_run, self.per_byte
+            self.per_byte_strided = self.per_byte
+        else:
+            self.per_run, self.per_byte = _measure_scatter(whole=False)
+            self.whole_run, self.whole_byte = _measure_scatter(whole=True)
+            self.per_byte_strided = _measure_strided()
         self._lock = threading.Lock()
 
     def staged_wins(
@@ -155,12 +169,20 @@ def _measure_strided() -> float:
 
 class StagingPool:
     """``slots`` staging slots of ``slot_bytes`` in one buffer, registered by the
-    consumer with its transport. A slot whose READ may still land is not given back."""
+    consumer with its transport, in memory of ``kind`` (device memory: a torch tensor on
+    GPU ``device``). A slot whose READ may still land is not given back."""
 
-    def __init__(self, slots: int, slot_bytes: int):
+    def __init__(self, slots: int, slot_bytes: int, kind: MemKind = MemKind.HOST, device: int = 0):
         self.slot_bytes = slot_bytes
-        self.buf = np.zeros(slots * slot_bytes, np.uint8)
-        self.region = Region(int(self.buf.ctypes.data), int(self.buf.nbytes))
+        self.buf: Any
+        if kind is MemKind.HOST:
+            self.buf = np.zeros(slots * slot_bytes, np.uint8)
+            addr = int(self.buf.ctypes.data)
+        else:
+            on = torch_device(kind, device)
+            self.buf = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=on)
+            addr = int(self.buf.data_ptr())
+        self.region = Region(addr, slots * slot_bytes, kind, device)
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(slots):
             self._free.put(i)
@@ -180,7 +202,8 @@ class StagingPool:
         else:
             self.quarantined += 1
 
-    def view(self, slot: int) -> np.ndarray:
+    def view(self, slot: int) -> Any:
+        """Slot ``slot``'s bytes: a numpy array (host memory) or a torch tensor."""
         return self.buf[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
 
@@ -189,9 +212,11 @@ class Stager:
     views of D's regions and the cost model that picks staged or direct per request."""
 
     def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
-        self.pool = StagingPool(slots, slot_bytes)
-        self.memory = LocalMemory(regions)
-        self.costs = CostModel()
+        kind, device = regions[0].kind, regions[0].device
+        self.pool = StagingPool(slots, slot_bytes, kind, device)
+        self.memory = local_memory(regions)
+        on_device = kind is not MemKind.HOST
+        self.costs = CostModel(torch_device(kind, device) if on_device else None)
 
     def choose(
         self, runs: dict[int, Runs], regions: dict[int, Regions] | None = None, push: bool = False
@@ -216,7 +241,8 @@ class Stager:
                 continue
             spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
             extra = 0 if push else sum(c.staged_bytes for c in chs) - r.nbytes  # gaps
-            shape = _shape([copy_shape(c, push) for c in chs])
+            on_device = self.costs.on_device  # torch kernels: no strided views to weigh
+            shape = (None, False) if on_device else _shape([copy_shape(c, push) for c in chs])
             copies = 2 if push else 1
             if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), copies, shape, extra):
                 out[src] = chs
@@ -276,6 +302,14 @@ class Stager:
             if clean or not still:
                 self.pool.give_back(slot, True)
         return counts[0], counts[1]
+
+
+def local_memory(regions: list[Region]) -> LocalMemory | DeviceMemory:
+    """Copies into and out of ``regions`` where they live: numpy for host memory, torch
+    kernels (on the GPU, on their own stream) for device memory."""
+    if all(r.kind is MemKind.HOST for r in regions):
+        return LocalMemory(regions)
+    return DeviceMemory(regions)
 
 
 def _read(transport: Transport, agent: str, ch: Chunk, at: int) -> XferHandle:

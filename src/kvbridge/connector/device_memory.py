@@ -1,0 +1,114 @@
+"""Local copies where the memory is, for device memory (torch kernels; on the CPU in
+tests): the device counterpart of :class:`kvbridge.connector.copies.LocalMemory`, used by
+staged transfers of device memory and by the kernel mover.
+
+A :class:`Span` is one ``uint8`` tensor over several regions, addressed by the addresses
+a plan uses (so one kernel call serves runs in any region); each run is checked to lie
+inside one region before any byte moves, and nothing between regions is touched.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from kvbridge.connector.device_copies import rows_copy
+from kvbridge.errors import TransportError
+from kvbridge.layout.tensor import Region
+from kvbridge.transport.memory import byte_tensor, torch_device
+
+__all__ = ["DeviceMemory", "Span", "by_length"]
+
+
+class Span:
+    """One ``uint8`` tensor spanning ``regions`` (in this process), addressed by the names
+    the plan uses for them: ``names[i]`` stands for ``regions[i].addr`` (P's address of a
+    region mapped here; D's own address by default)."""
+
+    def __init__(self, regions: list[Region], names: list[int] | None = None):
+        if not regions:
+            raise TransportError("a span needs at least one region")
+        names = [r.addr for r in regions] if names is None else names
+        order = np.argsort(np.array(names, dtype=np.int64), kind="stable")
+        addrs = np.array([regions[i].addr for i in order], dtype=np.int64)
+        sizes = np.array([regions[i].nbytes for i in order], dtype=np.int64)
+        self.names = np.array(names, dtype=np.int64)[order]
+        self.ends = self.names + sizes
+        origin = int(addrs.min())
+        self.local = addrs - origin
+        top = int((addrs + sizes).max())
+        first = regions[int(order[int(np.argmin(addrs))])]
+        self.tensor = byte_tensor(Region(origin, top - origin, first.kind, first.device))
+
+    def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
+        """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not
+        inside one region is a :class:`TransportError` before any byte moves."""
+        addr = np.asarray(addr).astype(np.int64, copy=False)
+        length = np.asarray(length).astype(np.int64, copy=False)  # 2⁶³ and up: negative
+        idx = np.searchsorted(self.names, addr, side="right") - 1
+        safe = np.maximum(idx, 0)
+        bad = (idx < 0) | (length <= 0) | (length >= 1 << 40)
+        bad |= addr + np.where(bad, 0, length) > self.ends[safe]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TransportError(
+                f"{what} run {i} [{int(addr[i]):#x}, +{int(length[i])}) lies in no region"
+            )
+        return self.local[safe] + (addr - self.names[safe])
+
+
+def by_length(length: np.ndarray) -> list[tuple[np.ndarray | slice, int]]:
+    """Runs grouped by length: ``(indices or a slice, length)``, each group in run order."""
+    if length.shape[0] == 0:
+        return []
+    if bool((length == length[0]).all()):  # one length: the common case
+        return [(slice(0, length.shape[0]), int(length[0]))]
+    order = np.argsort(length, kind="stable")
+    key = length[order]
+    cut = np.flatnonzero(key[1:] != key[:-1]) + 1
+    bounds = [0, *cut.tolist(), int(key.shape[0])]
+    return [(order[lo:hi], int(key[lo])) for lo, hi in itertools.pairwise(bounds)]
+
+
+class DeviceMemory:
+    """Writable torch access to a rank's device ``regions``, addressed by absolute
+    address, with :meth:`scatter` and :meth:`gather` as :class:`LocalMemory` has; each
+    call returns once its copies completed (on a GPU: on this object's own stream)."""
+
+    def __init__(self, regions: list[Region]):
+        self.span = Span(regions)
+        self.on = torch_device(regions[0].kind, regions[0].device)
+        self.stream = torch.cuda.Stream(device=self.on) if self.on.type == "cuda" else None
+
+    def scatter(
+        self, dst: np.ndarray, src: torch.Tensor, src_off: np.ndarray, length: np.ndarray
+    ) -> None:
+        """Copy ``src[src_off[i] : + length[i]]`` (a byte tensor, e.g. a staging slot) to
+        absolute address ``dst[i]`` (each inside one region, checked)."""
+        d_off = self.span.offsets(dst, length, "scatter destination")
+        self._copy(self.span.tensor, d_off, src, src_off.astype(np.int64, copy=False), length)
+
+    def gather(
+        self, src: np.ndarray, dst: torch.Tensor, dst_off: np.ndarray, length: np.ndarray
+    ) -> None:
+        """Copy absolute address ``src[i]`` (``length[i]`` bytes, inside one region,
+        checked) to ``dst[dst_off[i] : + length[i]]``: :meth:`scatter` reversed."""
+        s_off = self.span.offsets(src, length, "gather source")
+        self._copy(dst, dst_off.astype(np.int64, copy=False), self.span.tensor, s_off, length)
+
+    def _copy(
+        self,
+        dst: torch.Tensor,
+        d_off: np.ndarray,
+        src: torch.Tensor,
+        s_off: np.ndarray,
+        length: np.ndarray,
+    ) -> None:
+        try:
+            for k, size in by_length(length):
+                rows_copy(dst, d_off[k], src, s_off[k], size, stream=self.stream)
+        finally:
+            if self.stream is not None:
+                self.stream.synchronize()
