@@ -64,6 +64,7 @@ class World:
         d_keys: Keys | None = None,
         memory: tuple[MemKind, MemKind] = (MemKind.HOST, MemKind.HOST),
         p_memory: Callable[[int], np.ndarray] | None = None,
+        d_transport: type[LoopbackTransport] = LoopbackTransport,
     ):
         """``p_memory``: how P's regions are allocated (bytes → uint8 array; default numpy)."""
         self.rng = np.random.default_rng(7)
@@ -79,7 +80,7 @@ class World:
         for r in range(p_tp):
             agent = LoopbackTransport(f"p{r}", self.fabric)
             bases = list(self.p.bound(r).bases)
-            push = (SECRET, "127.0.0.1", timeout_s) if mode is Mode.PUSH else (None,)
+            push = (SECRET, "127.0.0.1", timeout_s) if mode is not Mode.PULL else (None,)
             worker = ProducerWorker(
                 r, self.p.layouts[r], bases, agent, *push, keys=p_keys, memory=memory[0]
             )  # type: ignore[arg-type,misc]
@@ -93,7 +94,7 @@ class World:
                 r,
                 self.d.layouts[r],
                 list(self.d.bound(r).bases),
-                LoopbackTransport(f"d{r}", self.fabric),
+                d_transport(f"d{r}", self.fabric),
                 SECRET,
                 transfer_timeout_s=timeout_s,
                 staging_bytes=staging_bytes,

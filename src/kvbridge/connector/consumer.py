@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvbridge.connector.directions import Directions, measure
 from kvbridge.connector.fence import Check, Fence, Held
 from kvbridge.connector.handle import TransferHandle, checked_tables
 from kvbridge.connector.kernel_mover import kernel_mover
@@ -104,6 +105,9 @@ class Consumer:
         self.kernel = kernel_mover(regions) if kernel else None
         self.metadata = self._register(regions, staging_bytes, workers)
         self._notifs: set[bytes] = set()
+        self.directions: dict[tuple[str, str], Directions] = {}
+        """READ and WRITE as measured per P (engine id, epoch), in AUTO mode."""
+        self._measuring = threading.Lock()
         self.peers = PeerCache(
             engine_id, spec, par, rank, Bound(layout, tuple(bases)), transport, secret,
             timeout_s=transfer_timeout_s, model_id=model_id, pad_blocks=pad_blocks, keys=keys,
@@ -126,7 +130,7 @@ class Consumer:
             self.stager = Stager(regions, workers, staging_bytes // workers)
         self._probe = ProbeArea()
         extra = [self.stager.pool.region] if self.stager else []
-        if self.mode is Mode.PUSH or not extra:
+        if self.mode is not Mode.PULL or not extra:
             extra.append(self._probe.region)  # the push fence's probes land here
         return self.transport.register(regions + extra)
 
@@ -276,12 +280,25 @@ class Consumer:
         if self.kernel is not None and not why:
             job.posted += self.kernel.move(peer, plan.runs)
             return "kernel", "P's memory is mapped here (same node)"
-        if self.mode is Mode.PUSH:
+        mode, how = self._direction(peer, min(sources, default=0))
+        if mode is Mode.PUSH:
             self._push(peer, job, plan.runs)
-            return "push", f"push mode; no kernel mover: {why}"
+            return "push", f"{how}; no kernel mover: {why}"
         args = (self.stager, self.staging, peer, plan, job, self.timeout_s, self.post_runs)
         pull(self.transport, *args)
-        return "pull", f"pull mode; no kernel mover: {why}"
+        return "pull", f"{how}; no kernel mover: {why}"
+
+    def _direction(self, peer: Peer, src: int) -> tuple[Mode, str]:
+        """Pull or push, and why: the configured mode, or (AUTO) what D measured with
+        this P epoch (once; :mod:`kvbridge.connector.directions`)."""
+        if self.mode is not Mode.AUTO:
+            return self.mode, f"{self.mode.value} mode"
+        with self._measuring:
+            key = (peer.engine_id, peer.epoch)
+            if key not in self.directions:
+                found = measure(self.transport, self.stager, peer, src, self.metadata, self._await)
+                self.directions[key] = found
+            return self.directions[key].choice()
 
     def _push(self, peer: Peer, job: _Load, runs: dict[int, Runs]) -> None:
         """Direct runs first, then the staged ones in rounds through a slot that, should
