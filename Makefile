@@ -16,7 +16,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml tools/install_vllm.py
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,cu12]"
 	$(BIN)/python tools/install_vllm.py
 	touch $(STAMP)
 

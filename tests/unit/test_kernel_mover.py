@@ -140,7 +140,7 @@ def test_hostile_shares_are_refused_typed(share: Share) -> None:
         Opened([share])
 
 
-def test_a_hostile_share_fails_the_load_typed_and_loses_nothing(shm: ShmPool) -> None:
+def test_a_share_d_cannot_map_sends_the_load_over_the_transport(shm: ShmPool) -> None:
     import msgspec
 
     from kvbridge.control.messages import WireShare
@@ -150,15 +150,21 @@ def test_a_hostile_share_fails_the_load_typed_and_loses_nothing(shm: ShmPool) ->
         for r, info in list(w.producer.ranks.items()):
             bad = [WireShare("shm", b"/etc/shadow", 0, s.nbytes) for s in info.shares]
             w.producer.ranks[r] = msgspec.structs.replace(info, shares=bad)
-        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
-        handle, d_tabs = w.request("r1", 45)
-        w.consumers[0].load(handle, d_tabs)
-        (out,) = w.wait()
-        assert not out.ok and "TransportError" in out.error and "/etc/shadow" in out.error
-        for got, was in zip(w.d.bufs[0], before[0], strict=True):
-            assert np.array_equal(got, was)  # nothing landed
+        for rid in ("r1", "r2"):  # the refusal is remembered for the P epoch
+            out = load_one(w, rid)
+            assert out.mover == "pull", out
+            assert "cannot be mapped here" in out.reason and "/etc/shadow" in out.reason
+        assert not w.consumers[0].kernel._sources  # type: ignore[union-attr]
     finally:
         w.close()
+
+
+def test_a_share_past_the_end_of_its_file_is_refused(shm: ShmPool) -> None:
+    backed = shm(8192)
+    share = export(Region(int(backed.ctypes.data), 8192))
+    assert share is not None
+    with pytest.raises(TransportError, match="the share ends at"):
+        Opened([Share("shm", share.handle, 4096, 8192)])  # mapping it would fault on access
 
 
 def test_span_maps_names_to_offsets_and_refuses_stray_runs() -> None:

@@ -47,6 +47,7 @@ class KernelMover:
         self._lock = threading.Lock()
         self._sources: dict[tuple[str, int], tuple[str, Opened, Span]] = {}
         self._retired: list[Opened] = []
+        self._failed: dict[tuple[str, int], tuple[str, TransportError]] = {}
 
     def why_not(self, peer: Peer, sources: Iterable[int]) -> str:
         """Why this mover cannot serve ``peer``'s ranks ``sources`` ("" if it can)."""
@@ -58,6 +59,10 @@ class KernelMover:
                 return f"P rank {src} runs on another node"
             if info.memory_kind() is not self.kind:
                 return f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
+            try:
+                self._source(peer, src)
+            except TransportError as exc:  # remembered: later loads go over the transport
+                return f"P rank {src}'s memory cannot be mapped here: {exc}"
         return ""
 
     def move(self, peer: Peer, runs: dict[int, Runs]) -> int:
@@ -87,19 +92,29 @@ class KernelMover:
             known = self._sources.get(key)
             if known is not None and known[0] == peer.epoch:
                 return known[2]
-            info = peer.ranks[src]
-            opened = Opened(rank_shares(info), self.device)
+            failed = self._failed.get(key)
+            if failed is not None and failed[0] == peer.epoch:
+                raise failed[1]
             try:
-                sizes = tuple(s.nbytes for s in rank_shares(info))
-                here = regions_at(opened.bases, sizes, self.kind, self.device)
-                span = Span(here, names=list(info.bases))
-            except BaseException:
-                opened.close()
+                opened, span = self._open(peer, src)
+            except TransportError as exc:
+                self._failed[key] = (peer.epoch, exc)
                 raise
             if known is not None:
                 self._retired.append(known[1])
             self._sources[key] = (peer.epoch, opened, span)
             return span
+
+    def _open(self, peer: Peer, src: int) -> tuple[Opened, Span]:
+        info = peer.ranks[src]
+        shares = rank_shares(info)
+        opened = Opened(shares, self.device)
+        try:
+            here = regions_at(opened.bases, tuple(s.nbytes for s in shares), self.kind, self.device)
+            return opened, Span(here, names=list(info.bases))
+        except BaseException:
+            opened.close()
+            raise
 
     def close(self) -> None:
         """Unmap every P region (no load may be running)."""

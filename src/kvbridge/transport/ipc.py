@@ -108,8 +108,13 @@ class Opened:
         if s.way == "shm":
             return self._open_shm(s)
         if s.way == "cuda":
+            if s.offset < 0 or s.nbytes <= 0:
+                raise TransportError(f"CUDA share +{s.offset} ({s.nbytes} B) refused")
             addr = _cuda_open(s.handle, self.device)
             self._cuda.append(addr)
+            mapped = _cuda_size(addr)
+            if s.offset + s.nbytes > mapped:  # reading past it would fault the context
+                raise TransportError(f"CUDA share ends at {s.offset + s.nbytes}, maps {mapped} B")
             return addr + s.offset
         raise TransportError(f"unknown way of sharing memory {s.way!r}")
 
@@ -119,10 +124,15 @@ class Opened:
             raise TransportError(f"shared memory {path!r} +{s.offset} ({s.nbytes} B) refused")
         page = s.offset - s.offset % mmap.ALLOCATIONGRANULARITY
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise TransportError(f"cannot open shared memory {path!r}: {exc}") from exc
         try:
+            size = os.fstat(fd).st_size
+            if s.offset + s.nbytes > size:  # pages past the end would fault on access
+                raise TransportError(
+                    f"{path!r} has {size} B, the share ends at {s.offset + s.nbytes}"
+                )
             m = mmap.mmap(fd, s.offset - page + s.nbytes, offset=page)
         except (OSError, ValueError) as exc:
             raise TransportError(f"cannot map {path!r} +{s.offset} {s.nbytes} B: {exc}") from exc
@@ -147,7 +157,7 @@ _DRIVER_LOCK = threading.Lock()
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # raw bytes (c_char would stop at NUL)
 
 
 @functools.cache
@@ -185,7 +195,7 @@ def _cuda_export(region: Region) -> Share | None:
             return None
         if cu.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base.value)) != 0:
             return None
-    return Share("cuda", bytes(handle.reserved), region.addr - base.value, region.nbytes)
+    return Share("cuda", bytes(handle), region.addr - base.value, region.nbytes)
 
 
 def _cuda_open(raw: bytes, device: int) -> int:
@@ -203,6 +213,17 @@ def _cuda_open(raw: bytes, device: int) -> int:
             cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, ctypes.c_uint(_LAZY_PEER_ACCESS)),
         )
     return int(ptr.value)
+
+
+def _cuda_size(addr: int) -> int:
+    """Bytes of the allocation mapped at ``addr`` (as the driver reports them)."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with _DRIVER_LOCK:
+        rc = _driver().cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)
+        )
+    _check("cuMemGetAddressRange", rc)
+    return int(size.value) - (addr - int(base.value))
 
 
 def _cuda_close(addr: int) -> None:
