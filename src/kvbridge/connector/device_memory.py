@@ -21,6 +21,9 @@ from kvbridge.transport.memory import byte_tensor, torch_device
 
 __all__ = ["DeviceMemory", "Span", "by_length"]
 
+STRIDE = 64
+"""Runs per region guess in :meth:`Span._region_of`."""
+
 
 class Span:
     """One ``uint8`` tensor spanning ``regions`` (in this process), addressed by the names
@@ -47,16 +50,43 @@ class Span:
         inside one region is a :class:`TransportError` before any byte moves."""
         addr = np.asarray(addr).astype(np.int64, copy=False)
         length = np.asarray(length).astype(np.int64, copy=False)  # 2⁶³ and up: negative
-        idx = np.searchsorted(self.names, addr, side="right") - 1
-        safe = np.maximum(idx, 0)
+        idx, start, end = self._region_of(addr)
         bad = (idx < 0) | (length <= 0) | (length >= 1 << 40)
-        bad |= addr + np.where(bad, 0, length) > self.ends[safe]
+        bad |= addr + np.where(bad, 0, length) > end
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise TransportError(
                 f"{what} run {i} [{int(addr[i]):#x}, +{int(length[i])}) lies in no region"
             )
-        return self.local[safe] + (addr - self.names[safe])
+        if self.names.shape[0] == 1:
+            return addr + (int(self.local[0]) - int(self.names[0]))
+        return self.local[idx] + (addr - start)
+
+    def _region_of(self, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(index, start, end)`` of the region whose start is the last ≤ ``addr[i]``
+        (index -1: none; then start and end are those of region 0).
+
+        A plan's runs come region after region (a layer's blocks, in any order), and a
+        binary search over unsorted keys is slow (16,384 runs: ~0.8 ms here, ~0.1 ms
+        sorted), so every ``STRIDE``-th run is searched, its neighbours assumed in the same
+        region, and only the runs where that guess fails are searched again."""
+        if self.names.shape[0] == 1:
+            idx = np.where(addr >= self.names[0], 0, -1)
+            return (
+                idx,
+                np.broadcast_to(self.names[0], addr.shape),
+                np.broadcast_to(self.ends[0], addr.shape),
+            )
+        guess = np.repeat(np.searchsorted(self.names, addr[::STRIDE], side="right") - 1, STRIDE)
+        idx = np.maximum(guess[: addr.shape[0]], 0)
+        start, end = self.names[idx], self.ends[idx]
+        miss = (addr < start) | (addr >= end)
+        if miss.any():
+            found = np.searchsorted(self.names, addr[miss], side="right") - 1
+            idx[miss] = found
+            start[miss], end[miss] = self.names[found], self.ends[found]
+            idx[miss & (idx < 0)] = -1
+        return idx, start, end
 
 
 def by_length(length: np.ndarray) -> list[tuple[np.ndarray | slice, int]]:
