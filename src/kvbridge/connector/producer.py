@@ -15,6 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvbridge.connector.handle import TransferHandle, checked_tables
+from kvbridge.connector.ordering import Event, wait_written
 from kvbridge.connector.push_gather import PushGather
 from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
@@ -81,6 +82,7 @@ class ProducerWorker:
         ``share``: offer D ranks of this node a mapping of the regions, where the memory
         allows one (:mod:`kvbridge.transport.ipc`; D then copies with one kernel)."""
         self.rank = rank
+        self.memory, self.device = memory, device
         self.transport = transport
         self.timeout_s = push_timeout_s
         self._peers: dict[bytes, str] = {}
@@ -173,6 +175,12 @@ class ProducerWorker:
         if left:
             self._running[request_id] = left
         return FenceReply(request_id, not left)
+
+    def written(self, event: Event | None = None, timeout_s: float = 10.0) -> None:
+        """Return once the engine's KV writes before ``event`` (e.g. a ``torch.cuda.Event``
+        recorded after the step's last KV write; None: the device's current stream) are
+        complete. Call it before the step's handles leave P (:mod:`kvbridge.connector.ordering`)."""
+        wait_written(event, self.memory, self.device, timeout_s)
 
     def close(self) -> None:
         if self.server is not None:
