@@ -24,6 +24,7 @@ _API = frozenset(
         "LayoutError",
         "LeaseExpired",
         "LoadState",
+        "MemKind",
         "Mode",
         "ModelInfo",
         "ModelSpec",

@@ -8,7 +8,8 @@ Describe the model        load_model, ModelSpec, Group, Layer, Kind, DType, Para
                           gated_deltanet, kimi_delta, state_tensor), group_by_kind
 Say where it lives        SideConfig (one instance's shape), build_layout, layout_names,
                           register_layout, RankLayout, View;
-                          engine tensors: RegionSet, TensorDesc, tensor_views
+                          engine tensors: RegionSet, TensorDesc, tensor_views;
+                          where memory lives: MemKind (host or a GPU's)
 Plan (no I/O)             Geometry, Bound, Plan
 Move bytes                make_transport, register_transport, transport_names,
                           Transport, Region, XferState
@@ -51,7 +52,7 @@ from kvbridge.layout import (
     layout_names,
     register_layout,
 )
-from kvbridge.layout.tensor import RegionSet, TensorDesc, tensor_views
+from kvbridge.layout.tensor import MemKind, RegionSet, TensorDesc, tensor_views
 from kvbridge.plan import Bound, Geometry, Plan
 from kvbridge.spec import (
     DType,
@@ -99,6 +100,7 @@ __all__ = [
     "LayoutError",
     "LeaseExpired",
     "LoadState",
+    "MemKind",
     "Mode",
     "ModelInfo",
     "ModelSpec",

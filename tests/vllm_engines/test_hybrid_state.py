@@ -145,7 +145,7 @@ def q3n_state_bytes(e: Engine) -> int:
 def qwen3next(models: Path) -> Iterator[tuple[Engine, ...]]:
     """Two bf16 engines (vLLM's CPU GDN kernel takes bf16 only; it raises the attention
     block to 256); ``b`` prefills in steps of at most 256 tokens."""
-    kw = {"prefix_caching": False, "dtype": "bfloat16", "block_size": 256}
+    kw = {"prefix_caching": False, "dtype": "bfloat16", "block_size": 256, "amx": False}
     yield from closing(
         *start_all(
             models,

@@ -2,7 +2,7 @@
 output is checked token for token against a colocated run (one instance, TP 1).
 
     kvbridge demo [--preset kimi-linear] [--prefill "tp=2,pp=1,block=16,layout=hnd"]
-        [--decode "tp=1,pp=1,block=32,layout=block-major"] [--mode pull|push]
+        [--decode "tp=1,pp=1,block=32,layout=block-major"] [--mode pull|push|auto]
         [--prompts FILE] [--new-tokens 20] [--cached N] [--quick] [--json]
 
 P and D are reference-engine instances, one process per rank (each rank's cache and NIXL
@@ -26,7 +26,7 @@ DEFAULT_PRESET = "kimi-linear"
 PRESET_NAMES = ("deepseek", "gemma", "jamba", "kimi-linear", "llama", "qwen3-next")
 """The reference engine's presets (a test checks them against ``kvbridge.engine.PRESETS``,
 which is not imported here: it loads torch)."""
-MODES = ("pull", "push")
+MODES = ("pull", "push", "auto")
 DEFAULT_PREFILL = "tp=2,block=16,layout=hnd"
 DEFAULT_DECODE = "tp=1,block=32,layout=block-major"
 QUICK = 2

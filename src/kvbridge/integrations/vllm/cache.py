@@ -45,6 +45,7 @@ from kvbridge.api import (
     TensorDesc,
     View,
     attention,
+    mla,
     parse_dtype,
     shard_interval,
     tensor_views,
@@ -80,6 +81,9 @@ class VllmCache:
         default_factory=dict
     )
     """Mamba layer index → vLLM's per-rank state ``(shapes, dtypes)`` (conv, then SSM)."""
+    kv_specs: dict[str, Any] = field(default_factory=dict)
+    """vLLM layer name → its own vLLM spec (a group's ``UniformTypeKVCacheSpecs`` gives
+    one per layer): what :mod:`~kvbridge.integrations.vllm.gpu_layout` checks views against."""
 
     def state_tables(self, tables: list[list[int]], n_computed: int) -> list[list[int]]:
         """vLLM's per-group block lists with each Mamba group cut to its one state slot:
@@ -105,19 +109,20 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     dim_first = conv_dim_first()
     layers: dict[int, Layer] = {}
-    groups, names, state_blocks, state_shapes = [], {}, {}, {}
+    groups, names, state_blocks, state_shapes, kv_specs = [], {}, {}, {}, {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         cs = group.kv_cache_spec
+        per_layer = getattr(cs, "kv_cache_specs", None) or {}
         idx = []
         for name in group.layer_names:
-            i = layer_index(name)
-            if type(cs).__name__ == "MambaSpec":
-                layers[i] = state_layer(i, cs, par.tp, dim_first)
-                shapes = tuple(tuple(int(x) for x in sh) for sh in cs.shapes)
-                state_shapes[i] = (shapes, tuple(cs.dtypes))
+            i, ls = layer_index(name), per_layer.get(name, cs)
+            if type(ls).__name__ == "MambaSpec":
+                layers[i] = state_layer(i, ls, par.tp, dim_first)
+                shapes = tuple(tuple(int(x) for x in sh) for sh in ls.shapes)
+                state_shapes[i] = (shapes, tuple(ls.dtypes))
             else:
-                layers[i] = _layer(i, cs, kv_heads)
-            names[name] = i
+                layers[i] = _layer(i, ls, kv_heads)
+            names[name], kv_specs[name] = i, ls
             idx.append(i)
         if type(cs).__name__ == "MambaSpec":
             state_blocks[g] = cs.block_size
@@ -133,12 +138,16 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
     if state_blocks and mode not in ("none", "align"):
         raise ConfigError(f"mamba_cache_mode {mode!r}: the vLLM connector supports none, align")
-    return VllmCache(spec, par, names, state_blocks, mode, dim_first, state_shapes)
+    return VllmCache(spec, par, names, state_blocks, mode, dim_first, state_shapes, kv_specs)
 
 
 def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
     kind_name = type(cs).__name__
     dtype = parse_dtype(str(cs.dtype))
+    if kind_name == "MLAAttentionSpec":
+        # one latent per token (``head_size`` elements: compressed KV | rope key), the
+        # same on every TP rank
+        return mla(index, cs.head_size, dtype)
     if kind_name == "FullAttentionSpec":
         return attention(index, kv_heads, cs.head_size, dtype, v_head_dim=cs.head_size_v)
     if kind_name == "SlidingWindowSpec":

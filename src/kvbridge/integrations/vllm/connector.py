@@ -2,7 +2,9 @@
 
 vLLM builds it twice per engine: role SCHEDULER in the EngineCore process
 (:class:`SchedulerSide`) and role WORKER in each worker process (:class:`WorkerSide`).
-This class only routes vLLM's hooks to the half that owns them.
+This class only routes vLLM's hooks to the half that owns them (and, at
+``register_kv_caches``, has :func:`~kvbridge.integrations.vllm.placement.place` describe
+the tensors: vLLM's CPU cache, or its logical view on a GPU).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.integrations.vllm.cache import check_cpu_kernel, read_cache
+from kvbridge.integrations.vllm.cache import read_cache
 from kvbridge.integrations.vllm.config import read_config
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta
+from kvbridge.integrations.vllm.placement import place
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
 from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.integrations.vllm.worker import WorkerSide
@@ -36,7 +39,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            check_cpu_kernel(vllm_config, cache)
             self.worker = WorkerSide(cfg, cache, get_tensor_model_parallel_rank())
 
     # --- scheduler side --------------------------------------------------------------
@@ -81,7 +83,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._w().register(kv_caches)
+        w = self._w()
+        w.register(place(self._vllm_config, w.cache, w.rank, kv_caches))
 
     def get_handshake_metadata(self) -> RankMeta | None:
         return self._w().handshake_meta()
@@ -100,7 +103,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # P's cache is read in place by D
 
     def wait_for_save(self) -> None:
-        return None
+        self._w().written()  # a finished request's handle leaves only after its KV writes
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recved, failed = self._w().results()

@@ -37,11 +37,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvbridge.api import (
     ConfigError,
     Group,
     Kind,
     Layer,
+    MemKind,
     ModelSpec,
     Parallel,
     RankLayout,
@@ -198,16 +201,29 @@ def gpu_views(
     return views, d
 
 
-def storage_regions(kv_caches: Mapping[str, Any]) -> RegionSet:
-    """The storages (host memory) under vLLM's layer views, each registered once."""
+def storage_regions(kv_caches: Mapping[str, Any], kind: MemKind = MemKind.HOST) -> RegionSet:
+    """The storages under vLLM's layer views, each registered once, as memory of ``kind``.
+
+    Host memory: CPU tensors only. Device memory: the GPU holding every tensor (its CUDA
+    ordinal); CPU tensors stand for GPU 0 (where ``KVBRIDGE_DEVICE_ON_CPU=1`` emulates
+    device memory, the unit tests' way through the device paths)."""
+    devices = {x.device for t in kv_caches.values() for x in layer_tensors(t)}
+    if len(devices) > 1 or any(d.type not in ("cpu", "cuda") for d in devices):
+        raise ConfigError(f"vLLM's KV caches lie on {sorted(map(str, devices))}; expected one")
+    cuda = any(d.type == "cuda" for d in devices)
+    if cuda and kind is MemKind.HOST:
+        raise ConfigError(f"{sorted(map(str, devices))} memory registered as host memory")
     regions = RegionSet()
-    for name, t in kv_caches.items():
-        for x in t if isinstance(t, (list, tuple)) else [t]:
-            if x.device.type != "cpu":
-                raise ConfigError(f"{name}: {x.device} memory; pass a RegionSet of device regions")
+    for t in kv_caches.values():
+        for x in layer_tensors(t):
             st = x.untyped_storage()
-            regions.add(st.data_ptr(), st.nbytes())
+            regions.add(st.data_ptr(), st.nbytes(), kind, x.get_device() if cuda else 0)
     return regions
+
+
+def layer_tensors(t: Any) -> list[Any]:
+    """A layer's tensors (vLLM gives one, or a list: conv and SSM state)."""
+    return list(t) if isinstance(t, (list, tuple)) else [t]
 
 
 def gpu_rank_layout(
@@ -268,12 +284,31 @@ def _group_blocks(
     return tuple(groups), tuple(splits), tuple(counts)
 
 
-def kernel_tables(tables: Sequence[Sequence[int]], splits: Sequence[int]) -> list[list[int]]:
+def kernel_tables(tables: Sequence[list[int]], splits: Sequence[int]) -> list[list[int]]:
     """vLLM's per-group block ids as described block ids: id ``b`` of a group split in
     ``s`` kernel blocks becomes ``b·s, …, b·s + s - 1`` (as vLLM's
     ``AttentionGroup.map_to_kernel_block_table``, ``vllm/v1/worker/utils.py``, maps them
-    for its kernels)."""
+    for its kernels). A group of split 1 keeps its list; a split one is mapped by numpy,
+    with no Python step per block."""
     return [
-        list(tab) if s == 1 else [b * s + j for b in tab for j in range(s)]
+        tab
+        if s == 1
+        else (np.asarray(tab, dtype=np.int64)[:, None] * s + np.arange(s)).ravel().tolist()
         for tab, s in zip(tables, splits, strict=True)
     ]
+
+
+def table_splits(spec: ModelSpec, block_sizes: Sequence[int]) -> tuple[int, ...]:
+    """Per group of ``spec`` (vLLM's block sizes, in tokens): described blocks per vLLM
+    block, where a rank's layout describes blocks of ``block_sizes`` tokens."""
+    if len(block_sizes) != len(spec.groups):
+        raise ConfigError(f"{len(block_sizes)} block sizes for {len(spec.groups)} groups")
+    splits = []
+    for g, bs in zip(spec.groups, block_sizes, strict=True):
+        split, rest = divmod(g.block_size, bs) if bs > 0 else (0, 1)
+        if rest or split < 1:
+            raise ConfigError(
+                f"group {g.name}: vLLM blocks of {g.block_size} tokens, described blocks of {bs}"
+            )
+        splits.append(split)
+    return tuple(splits)

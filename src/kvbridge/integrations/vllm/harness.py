@@ -49,6 +49,11 @@ class EngineConfig:
     num_blocks: int | None = None
     """KV blocks of the engine (vLLM's ``num_gpu_blocks_override``); None: what its
     memory budget gives."""
+    amx: bool = True
+    """False: the engine's processes see no AMX, so vLLM picks its ``vec`` CPU attention
+    kernel for bf16 too. Its ``amx`` kernel keeps K and V in 16-token VNNI tiles, a layout
+    the connector refuses (``cache.check_cpu_kernel``); on AMX machines the bf16 tests
+    (Qwen3-Next) run the verified kernel instead."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,8 @@ def _serve(conn: Any, cfg: EngineConfig) -> None:
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
     )
     os.environ.update(cfg.env)
+    if not cfg.amx:
+        _hide_amx()
     from kvbridge.bench.nixl_delay import patch_from_env
 
     patch_from_env()  # a benchmark's NixlConnector engine: its agent polls with a delay
@@ -174,6 +181,25 @@ def _serve(conn: Any, cfg: EngineConfig) -> None:
             conn.send((True, _run(llm, cmd, args)))
         except Exception as e:  # reported to the parent, which raises EngineError
             conn.send((False, f"{type(e).__name__}: {e}"))
+
+
+_NO_AMX = "import torch\n\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
+
+
+def _hide_amx() -> None:
+    """This process and the ones vLLM starts (through a ``sitecustomize`` on PYTHONPATH)
+    report no AMX to vLLM's kernel choice."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import torch
+
+    site = tempfile.mkdtemp(prefix="kvb-no-amx-")
+    atexit.register(shutil.rmtree, site, True)
+    Path(site, "sitecustomize.py").write_text(_NO_AMX)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+    torch.cpu._is_amx_tile_supported = lambda: False
 
 
 def _make_llm(cfg: EngineConfig) -> Any:

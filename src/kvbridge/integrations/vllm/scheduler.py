@@ -4,8 +4,9 @@ P (``kv_producer``/``kv_both``): a request sent with ``kv_transfer_params =
 {"do_remote_decode": true}`` is prefilled one token short (D computes the last prompt
 token itself, so sliding windows and recurrent state line up with what P keeps); when it
 finishes, P holds its blocks under a lease and returns ``{"kvbridge": <handle>}`` as the
-request's ``kv_transfer_params``. The blocks are freed once every D rank confirmed, D
-reported a failure, or the lease lapsed.
+request's ``kv_transfer_params`` (block ids as P's workers describe them: a vLLM block
+kept as kernel blocks is named by those, see ``gpu_layout.kernel_tables``). The blocks are
+freed once every D rank confirmed, D reported a failure, or the lease lapsed.
 
 D (``kv_consumer``/``kv_both``): a request whose ``kv_transfer_params`` carry a handle
 waits in ``WAITING_FOR_REMOTE_KVS`` while the workers load the tokens it names beyond the
@@ -21,6 +22,7 @@ from typing import Any
 from kvbridge.api import Keys, KVBridgeError, PeerError, Producer, RankInfo, TransferHandle
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
+from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
 from kvbridge.integrations.vllm.metadata import HANDLE_KEY, LoadJob, StepMeta, decode_info
 
 log = logging.getLogger(__name__)
@@ -48,12 +50,16 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._releases: list[str] = []
         self._started: set[str] = set()
+        self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
+        """Per group: P's described blocks per vLLM block (from its ranks' layouts)."""
 
     # --- P ---------------------------------------------------------------------------
     def set_ranks(self, infos: dict[int, bytes]) -> None:
         if not self.cfg.producer:
             return
         ranks: list[RankInfo] = [decode_info(b) for _, b in sorted(infos.items())]
+        if ranks:
+            self.splits = table_splits(self.cache.spec, ranks[0].block_sizes)
         self.producer = Producer(
             self.cfg.engine_id,
             self.cache.spec,
@@ -91,9 +97,10 @@ class SchedulerSide:
             return False, None
         if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
             return False, None  # aborted or never prefilled: nothing for D
-        tables = self.cache.state_tables(
+        ids = self.cache.state_tables(
             [list(map(int, b)) for b in block_ids], request.num_prompt_tokens
         )
+        tables = kernel_tables(ids, self.splits)
         handle = self.producer.prefill_done(request.request_id, tables, request.num_prompt_tokens)
         return True, {HANDLE_KEY: encode_handle(handle)}
 

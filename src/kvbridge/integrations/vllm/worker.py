@@ -1,8 +1,10 @@
 """Worker side of the vLLM connector (one per TP rank, in vLLM's worker process).
 
-It describes the KV tensors vLLM allocated (no copy), registers them with a NIXL agent,
-and on P publishes the rank's layout for the scheduler's handshake server; on D it runs a
-:class:`Consumer` that pulls, plans and confirms each request's tokens.
+It registers the KV tensors vLLM allocated, as :mod:`~kvbridge.integrations.vllm.placement`
+described them (no copy; host or device memory), with a NIXL agent, and on P publishes the
+rank's layout for the scheduler's handshake server; on D it runs a :class:`Consumer` that
+pulls, plans and confirms each request's tokens. Where the layout describes a vLLM block as
+several kernel blocks, D's tables are mapped to those (P's scheduler maps P's).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import replace
-from typing import Any
 
 from kvbridge.api import (
     Consumer,
@@ -22,9 +23,11 @@ from kvbridge.api import (
     Transport,
     make_transport,
 )
-from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout
+from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
+from kvbridge.integrations.vllm.gpu_layout import kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
+from kvbridge.integrations.vllm.placement import Placement
 from kvbridge.integrations.vllm.scheduler import decode_handle
 from kvbridge.integrations.vllm.stats import observation
 
@@ -47,6 +50,8 @@ class WorkerSide:
         """Lease ends (P) and releases (D) since vLLM last asked for stats."""
         self.totals: Counter[str] = Counter()
         """Loads ok / failed, bytes and descriptors moved, since start."""
+        self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
+        """Per group: described blocks per vLLM block (set by :meth:`register`)."""
 
     def _transport(self, role: str) -> Transport:
         name = f"kvb-{role}-{self.cfg.engine_id}-{self.rank}-{secrets.token_hex(3)}"
@@ -54,25 +59,43 @@ class WorkerSide:
         self._transports.append(t)
         return t
 
-    def register(self, kv_caches: dict[str, Any]) -> None:
-        layout, bases = cpu_layout(self.cache, self.rank, kv_caches)
+    def register(self, placed: Placement) -> None:
+        """Register this rank's KV memory, described once
+        (:func:`~kvbridge.integrations.vllm.placement.place`), with P's and
+        D's halves as the role asks."""
+        self.splits = placed.splits
         if self.cfg.producer:
-            self.producer = ProducerWorker(self.rank, layout, bases, self._transport("p"))
+            self.producer = ProducerWorker(
+                self.rank,
+                placed.layout,
+                placed.bases,
+                self._transport("p"),
+                memory=placed.memory,
+                device=placed.device,
+            )
         if self.cfg.consumer:
             self.consumer = Consumer(
                 self.cfg.engine_id,
-                self.cache.spec,
+                placed.spec,
                 self.cache.par,
                 self.rank,
-                layout,
-                bases,
+                placed.layout,
+                placed.bases,
                 self._transport("d"),
                 self.cfg.secret,
                 transfer_timeout_s=self.cfg.timeout_s,
                 model_id=self.cfg.model_id,
                 pad_blocks=True,  # vLLM writes a slot before any read of it
                 keys=Keys.load(self.cfg.keys_file) if self.cfg.keys_file else None,
+                memory=placed.memory,
+                device=placed.device,
             )
+
+    def written(self) -> None:
+        """P: return once this step's KV writes are complete (device memory: everything
+        queued on the current stream), so that no handle of the step leaves before them."""
+        if self.producer is not None:
+            self.producer.written()
 
     def handshake_meta(self) -> RankMeta | None:
         return RankMeta(encode_info(self.producer.info)) if self.producer else None
@@ -100,7 +123,8 @@ class WorkerSide:
                     raise KVBridgeError(f"handle of P request {handle.request_id!r} is loading")
                 self._by_handle[handle.request_id] = job.request_id
                 try:
-                    self.consumer.load(handle, job.tables, job.cached)
+                    tables = kernel_tables(job.tables, self.splits)
+                    self.consumer.load(handle, tables, job.cached)
                 except KVBridgeError:
                     self._by_handle.pop(handle.request_id, None)
                     raise

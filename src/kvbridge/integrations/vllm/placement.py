@@ -1,0 +1,108 @@
+"""Which description a worker's KV tensors get, and which memory they are registered as.
+
+vLLM's CPU attention backend (``CPU_ATTN``) keeps K transposed inside each block
+(:func:`~kvbridge.integrations.vllm.cache.cpu_layout`); every other backend (the CUDA
+ones; ``CPU_MLA`` on the CPU) reads the cache through the logical ``[B, H, N, C]`` views
+vLLM allocates, which :mod:`~kvbridge.integrations.vllm.gpu_layout` describes::
+
+    a KV tensor on a CUDA device,           gpu_layout; regions of device memory on the
+    or an attention layer whose backend  ─► tensors' GPU (CPU tensors: device memory where
+    is not CPU_ATTN                         KVBRIDGE_DEVICE_ON_CPU=1 emulates it, host
+                                            memory otherwise)
+    otherwise                           ─► cpu_layout (verified CPU kernels only); host memory
+
+The choice is made once, in ``register_kv_caches``. What it gives, a :class:`Placement`, is
+data the worker hands on: the layout, the spec D plans with (block sizes as described), the
+split of vLLM blocks into described blocks per group, and the memory kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbridge import envs
+from kvbridge.api import Kind, MemKind, ModelSpec, RankLayout
+from kvbridge.integrations.vllm.cache import VllmCache, check_cpu_kernel, cpu_layout
+from kvbridge.integrations.vllm.gpu_layout import gpu_rank_layout, layer_tensors, storage_regions
+
+CPU_BACKEND = "CPU_ATTN"
+"""The one backend whose cache is not vLLM's logical view (K transposed per block)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One worker's KV memory as registered: ``bases[i]`` (bytes) holds
+    ``layout.regions[i]`` bytes of ``memory`` on GPU ``device`` (0 for host memory)."""
+
+    layout: RankLayout
+    bases: list[int]
+    spec: ModelSpec
+    """The spec as described: each group's block size is the layout's (planning takes it)."""
+    splits: tuple[int, ...]
+    """Per group: described blocks per vLLM block (see ``gpu_layout.kernel_tables``)."""
+    memory: MemKind
+    device: int
+
+
+def place(
+    vllm_config: Any, cache: VllmCache, tp_rank: int, kv_caches: Mapping[str, Any]
+) -> Placement:
+    """Describe the tensors vLLM gives ``register_kv_caches`` on ``tp_rank`` (no copy)."""
+    layers = cache.spec.layers
+    attention = [n for n, i in cache.layer_names.items() if layers[i].kind is not Kind.STATE]
+    cuda = any(x.is_cuda for t in kv_caches.values() for x in layer_tensors(t))
+    if not cuda and attention_backends(vllm_config, attention) <= {CPU_BACKEND}:
+        check_cpu_kernel(vllm_config, cache)
+        layout, bases = cpu_layout(cache, tp_rank, kv_caches)
+        ones = (1,) * len(cache.spec.groups)
+        return Placement(layout, bases, cache.spec, ones, MemKind.HOST, 0)
+    emulated = envs.device_on_cpu() and not torch.cuda.is_available()
+    kind = MemKind.DEVICE if cuda or emulated else MemKind.HOST
+    regions = storage_regions(kv_caches, kind)
+    described = gpu_rank_layout(
+        cache.spec,
+        cache.par,
+        tp_rank,
+        kv_caches,
+        cache.kv_specs,
+        cache.layer_names,
+        layout_name(vllm_config),
+        cache.conv_dim_first,
+        regions,
+    )
+    device = regions.regions[0].device if regions.regions else 0
+    return Placement(
+        described.layout, described.bases, described.spec, described.splits, kind, device
+    )
+
+
+def attention_backends(vllm_config: Any, names: Iterable[str]) -> frozenset[str]:
+    """Names of the backends vLLM runs the attention layers ``names`` with (e.g.
+    ``CPU_ATTN``, ``FLASH_ATTN``). Where the config holds no layers (a config built without
+    a model, as in unit tests): the configured backend, else ``CPU_ATTN`` on vLLM's CPU
+    platform, else none."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(names))
+    if layers:
+        return frozenset(layer.get_attn_backend().get_name() for layer in layers.values())
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if chosen is not None:
+        return frozenset({str(chosen.name)})
+    from vllm.platforms import current_platform
+
+    return frozenset({CPU_BACKEND} if current_platform.is_cpu() else ())
+
+
+def layout_name(vllm_config: Any) -> str | None:
+    """vLLM's resolved ``KVCacheLayout`` name (``LBHNC`` …), or None if not resolved yet
+    (the strides, read from the tensors, decide; the name only cross-checks them)."""
+    try:
+        return str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
+    except ValueError:
+        return None
