@@ -21,8 +21,8 @@ $(STAMP): $(BIN)/python pyproject.toml tools/install_vllm.py
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples tools
-	$(BIN)/ruff format --check src tests examples tools
+	$(BIN)/ruff check src tests examples tools benchmarks
+	$(BIN)/ruff format --check src tests examples tools benchmarks
 	$(BIN)/python tools/check_sizes.py
 
 typecheck: $(STAMP)
@@ -42,6 +42,16 @@ demo-vllm: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvbridge bench plan
+
+# gpu-wheels: what a GPU machine without network lacks (NIXL cu13, msgspec, pyzmq for
+# Python 3.12) into .gpu-wheels/ (< 60 MiB). gpu-check, there: its own python3 and CUDA
+# torch, no venv; JSON into $OUT or build/. See benchmarks/gpu_check/README.md
+.PHONY: gpu-wheels gpu-check
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check.wheels --out .gpu-wheels
+
+gpu-check:
+	bash benchmarks/gpu_check/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

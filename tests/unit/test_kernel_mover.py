@@ -185,3 +185,23 @@ def test_by_length_groups_runs_in_order() -> None:
     groups = by_length(np.array([8, 4, 8, 4, 2]))
     assert [(np.asarray(k).tolist(), n) for k, n in groups] == [([4], 2), ([1, 3], 4), ([0, 2], 8)]
     assert by_length(np.array([3, 3])) == [(slice(0, 2), 3)]
+
+
+def test_equal_runs_cuts_joined_runs_into_one_length_byte_exact() -> None:
+    from kvbridge.connector.device_memory import equal_runs
+
+    rng = np.random.default_rng(3)
+    length = rng.choice([1024, 2048, 3072, 5120], size=40).astype(np.int64)
+    s_off = np.concatenate(([0], np.cumsum(length)[:-1])) * 2  # gaps between sources
+    d_off = rng.permutation(40) * 8192
+    (d, s, size), *rest = equal_runs(d_off, s_off, length)
+    assert not rest and size == 1024 and d.shape[0] == int(length.sum()) // 1024
+    src = rng.integers(0, 256, int(s_off[-1] + length[-1]), dtype=np.uint8)
+    got, want = np.zeros(40 * 8192, np.uint8), np.zeros(40 * 8192, np.uint8)
+    for a, b in zip(d.tolist(), s.tolist(), strict=True):
+        got[a : a + size] = src[b : b + size]
+    for a, b, n in zip(d_off.tolist(), s_off.tolist(), length.tolist(), strict=True):
+        want[a : a + n] = src[b : b + n]
+    assert np.array_equal(got, want)
+    odd = np.array([100, 300], np.int64)  # divisor 100 < 256 B: grouped by length instead
+    assert [x[2] for x in equal_runs(np.array([0, 512]), np.array([0, 512]), odd)] == [100, 300]

@@ -311,16 +311,16 @@ def _build_triton() -> Launch:
     import triton.language as tl
 
     @triton.jit
-    def copy_runs(
-        dst, d_w, src, s_w, n, ROW: tl.constexpr, RUNS: tl.constexpr, BLOCK: tl.constexpr
-    ):
+    def copy_runs(dst, d_w, src, s_w, n, row, RUNS: tl.constexpr, BLOCK: tl.constexpr):
+        # ``row`` (words per run) is a runtime value: one compile per (BLOCK, word type),
+        # not one per run length
         runs = tl.program_id(0) * RUNS + tl.arange(0, RUNS)
         live = runs < n
         d = tl.load(d_w + runs, mask=live, other=0)[:, None]
         s = tl.load(s_w + runs, mask=live, other=0)[:, None]
-        for start in range(0, ROW, BLOCK):
+        for start in range(0, row, BLOCK):
             col = start + tl.arange(0, BLOCK)[None, :]
-            mask = live[:, None] & (col < ROW)
+            mask = live[:, None] & (col < row)
             tl.store(dst + d + col, tl.load(src + s + col, mask=mask), mask=mask)
 
     def launch(
@@ -330,6 +330,6 @@ def _build_triton() -> Launch:
         runs = max(1, 1024 // block)  # a tile of about 1024 words
         n = d_w.numel()
         grid = (triton.cdiv(n, runs),)
-        copy_runs[grid](dw, d_w, sw, s_w, n, ROW=row, RUNS=runs, BLOCK=block)
+        copy_runs[grid](dw, d_w, sw, s_w, n, row, RUNS=runs, BLOCK=block)
 
     return launch

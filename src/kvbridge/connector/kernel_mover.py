@@ -1,18 +1,20 @@
 """The kernel mover: within a node, D maps P's regions and copies a request's runs with one
-gather-scatter per run length, no NIXL descriptor and no staging area.
+gather-scatter (per source rank), no NIXL descriptor and no staging area.
 
     P rank ── shares (CUDA IPC handles / shm files) over the side channel, at handshake ──► D
     D rank:  P's regions mapped here (transport/ipc.py)     D's regions
                └── one byte tensor over them (Span) ──rows_copy──► one byte tensor (Span)
 
 Addresses in a plan are P's and D's own; a :class:`Span` turns them into offsets of one
-tensor spanning every mapped region (so one kernel serves runs in any region; nothing
-between regions is touched: each run is checked to lie inside one region first). On a GPU
+tensor spanning every mapped region, and runs sharing a long divisor are cut to that one
+length (:func:`~kvbridge.connector.device_memory.equal_runs`), so one kernel serves runs in
+any region and of any such length (nothing between regions is touched: each run is
+checked to lie inside one region first). On a GPU
 the copies run on the mover's own CUDA stream and :meth:`KernelMover.move` returns only
 once they completed, also when it fails: a failed load is reported only after the kernels
 ended. The lease rules are the connector's, as for any mover: nothing is read before P
 answered ``begin``, and success needs the lease to have held until the copy ended.
-Measured on an H100 with a prototype (``docs/performance.md``): 65,536 runs of 1 KiB in
+Measured on an H100 with a prototype (``docs/gpu.md``): 65,536 runs of 1 KiB in
 0.103 ms, 1.5x a contiguous copy of the same bytes; 586-756 ms as NIXL descriptors.
 """
 
@@ -24,7 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from kvbridge.connector.device_copies import rows_copy
-from kvbridge.connector.device_memory import Span, by_length
+from kvbridge.connector.device_memory import Span, equal_runs
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
 from kvbridge.errors import TransportError
@@ -74,10 +76,8 @@ class KernelMover:
                 span = self._source(peer, src)
                 s_off = span.offsets(r.src, r.length, f"P rank {src}'s")
                 d_off = self.dst.offsets(r.dst, r.length, "this rank's")
-                for k, size in by_length(r.length):
-                    rows_copy(
-                        self.dst.tensor, d_off[k], span.tensor, s_off[k], size, stream=self.stream
-                    )
+                for d, s, size in equal_runs(d_off, s_off, r.length):
+                    rows_copy(self.dst.tensor, d, span.tensor, s, size, stream=self.stream)
                     calls += 1
         finally:
             if self.stream is not None:
