@@ -197,13 +197,13 @@ def open_maps(st: RankState, cmd: m.OpenMaps) -> None:
     from kvbridge.control.messages import rank_shares
 
     for info in cmd.infos:
-        opened = Opened(rank_shares(info), 0)
+        opened = Opened(rank_shares(info), st.pools.kind, 0)
         st.opened.append(opened)
         sizes = tuple(s.nbytes for s in rank_shares(info))
         here = regions_at(opened.bases, sizes, st.pools.kind, 0)
         st.maps[info.rank] = Span(here, names=list(info.bases))
     if cmd.staging is not None:
-        opened = Opened([cmd.staging], 0)
+        opened = Opened([cmd.staging], st.pools.kind, 0)
         st.opened.append(opened)
         region = Region(opened.bases[0], cmd.staging.nbytes, st.pools.kind, 0)
         st.p0_staging = byte_tensor(region)

@@ -115,7 +115,7 @@ def test_shares_are_found_only_for_shm_backed_memory(shm: ShmPool) -> None:
     share = export(Region(int(backed.ctypes.data) + 4100, 5000))
     assert share is not None and share.way == "shm" and share.offset == 4100
     assert export(Region(int(np.zeros(8192, np.uint8).ctypes.data), 8192)) is None
-    opened = Opened([share])
+    opened = Opened([share], HOST)
     try:
         backed[4100:4110] = np.arange(10, dtype=np.uint8)
         seen = np.ctypeslib.as_array((ctypes.c_uint8 * 10).from_address(opened.bases[0]))
@@ -137,7 +137,7 @@ def test_shares_are_found_only_for_shm_backed_memory(shm: ShmPool) -> None:
 )
 def test_hostile_shares_are_refused_typed(share: Share) -> None:
     with pytest.raises(TransportError):
-        Opened([share])
+        Opened([share], HOST)
 
 
 def test_a_share_d_cannot_map_sends_the_load_over_the_transport(shm: ShmPool) -> None:
@@ -164,7 +164,7 @@ def test_a_share_past_the_end_of_its_file_is_refused(shm: ShmPool) -> None:
     share = export(Region(int(backed.ctypes.data), 8192))
     assert share is not None
     with pytest.raises(TransportError, match="the share ends at"):
-        Opened([Share("shm", share.handle, 4096, 8192)])  # mapping it would fault on access
+        Opened([Share("shm", share.handle, 4096, 8192, share.ident)], HOST)  # would fault
 
 
 def test_span_maps_names_to_offsets_and_refuses_stray_runs() -> None:
@@ -205,3 +205,68 @@ def test_equal_runs_cuts_joined_runs_into_one_length_byte_exact() -> None:
     assert np.array_equal(got, want)
     odd = np.array([100, 300], np.int64)  # divisor 100 < 256 B: grouped by length instead
     assert [x[2] for x in equal_runs(np.array([0, 512]), np.array([0, 512]), odd)] == [100, 300]
+
+
+def test_only_shared_file_mappings_are_offered(tmp_path) -> None:
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvb-test-")
+    try:
+        os.ftruncate(fd, 8192)
+        private = mmap.mmap(fd, 8192, flags=mmap.MAP_PRIVATE)
+        arr = np.frombuffer(private, dtype=np.uint8)
+        # P's writes to a private mapping are not the file's pages: D would read zeros
+        assert export(Region(int(arr.ctypes.data), 8192)) is None
+        del arr
+        private.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_shares_that_do_not_fit_here_are_refused(shm: ShmPool, tmp_path) -> None:
+    backed = shm(8192)
+    share = export(Region(int(backed.ctypes.data), 8192))
+    assert share is not None and share.ident != 0
+    with pytest.raises(TransportError, match="'shm' share for device memory"):
+        Opened([share], DEVICE) if _cuda() else _fake_gpu(share)
+    other = Share("shm", share.handle, 0, 8192, share.ident ^ 1)  # same name, another file
+    with pytest.raises(TransportError, match="not the file P shares"):
+        Opened([other], HOST)
+    os.makedirs("/dev/shm/kvb-test-dir", exist_ok=True)
+    link = "/dev/shm/kvb-test-dir/x"
+    try:
+        with pytest.raises(TransportError, match="refused"):  # nothing below a subdirectory
+            Opened([Share("shm", link.encode(), 0, 8192, share.ident)], HOST)
+    finally:
+        os.rmdir("/dev/shm/kvb-test-dir")
+    with pytest.raises(TransportError, match="'cuda' share for host memory"):
+        Opened([Share("cuda", bytes(64), 0, 8192)], HOST)
+
+
+def _cuda() -> bool:
+    from kvbridge.transport.memory import cuda_available
+
+    return cuda_available()
+
+
+def _fake_gpu(share: Share) -> None:
+    from unittest import mock
+
+    with mock.patch("kvbridge.transport.ipc.cuda_available", lambda: True):
+        Opened([share], DEVICE)
+
+
+def test_share_sizes_must_match_the_regions_at_the_handshake(shm: ShmPool) -> None:
+    import msgspec
+
+    from kvbridge.control.messages import rank_shares
+    from kvbridge.errors import PeerError
+
+    w = World(p_memory=shm)
+    try:
+        info = next(iter(w.producer.ranks.values()))
+        assert len(rank_shares(info)) == len(info.regions)
+        short = [msgspec.structs.replace(x, nbytes=x.nbytes - 1) for x in info.shares]
+        with pytest.raises(PeerError, match="shares of"):
+            rank_shares(msgspec.structs.replace(info, shares=short))
+    finally:
+        w.close()

@@ -310,10 +310,10 @@ def _build_triton() -> Launch:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "row"])
     def copy_runs(dst, d_w, src, s_w, n, row, RUNS: tl.constexpr, BLOCK: tl.constexpr):
-        # ``row`` (words per run) is a runtime value: one compile per (BLOCK, word type),
-        # not one per run length
+        # ``n`` runs of ``row`` words are runtime values, not specialised: a compile per
+        # (BLOCK, word type, pointer alignment), not one per run count or length
         runs = tl.program_id(0) * RUNS + tl.arange(0, RUNS)
         live = runs < n
         d = tl.load(d_w + runs, mask=live, other=0)[:, None]
@@ -330,6 +330,8 @@ def _build_triton() -> Launch:
         runs = max(1, 1024 // block)  # a tile of about 1024 words
         n = d_w.numel()
         grid = (triton.cdiv(n, runs),)
-        copy_runs[grid](dw, d_w, sw, s_w, n, row, RUNS=runs, BLOCK=block)
+        on = torch.cuda.device(dw.device) if dw.is_cuda else contextlib.nullcontext()
+        with on:  # launch in the memory's context
+            copy_runs[grid](dw, d_w, sw, s_w, n, row, RUNS=runs, BLOCK=block)
 
     return launch

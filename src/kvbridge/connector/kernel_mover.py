@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,18 @@ from kvbridge.transport.ipc import Opened, node_id
 from kvbridge.transport.memory import torch_device
 
 
+@dataclass(slots=True)
+class _Mapped:
+    """One P rank's regions mapped here, for one P epoch; ``users``: moves using it now.
+    Unmapped once a newer epoch replaced it and no move uses it any more."""
+
+    epoch: str
+    opened: Opened
+    span: Span
+    users: int = 0
+    retired: bool = False
+
+
 class KernelMover:
     """D's kernel mover over its KV ``regions`` (one memory: host, or one GPU)."""
 
@@ -47,8 +60,7 @@ class KernelMover:
         self.on = torch_device(self.kind, self.device)
         self.stream = torch.cuda.Stream(device=self.on) if self.on.type == "cuda" else None
         self._lock = threading.Lock()
-        self._sources: dict[tuple[str, int], tuple[str, Opened, Span]] = {}
-        self._retired: list[Opened] = []
+        self._sources: dict[tuple[str, int], _Mapped] = {}
         self._failed: dict[tuple[str, int], tuple[str, TransportError]] = {}
 
     def why_not(self, peer: Peer, sources: Iterable[int]) -> str:
@@ -62,7 +74,7 @@ class KernelMover:
             if info.memory_kind() is not self.kind:
                 return f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
             try:
-                self._source(peer, src)
+                self._release(self._acquire(peer, src))
             except TransportError as exc:  # remembered: later loads go over the transport
                 return f"P rank {src}'s memory cannot be mapped here: {exc}"
         return ""
@@ -70,10 +82,11 @@ class KernelMover:
     def move(self, peer: Peer, runs: dict[int, Runs]) -> int:
         """Copy every run of ``runs`` (per P rank) from P's mapped memory; the number of
         copy calls. Returns (or raises) only once every copy it started has ended."""
-        calls = 0
+        calls, held = 0, []
         try:
             for src, r in runs.items():
-                span = self._source(peer, src)
+                held.append(self._acquire(peer, src))
+                span = held[-1].span
                 s_off = span.offsets(r.src, r.length, f"P rank {src}'s")
                 d_off = self.dst.offsets(r.dst, r.length, "this rank's")
                 for d, s, size in equal_runs(d_off, s_off, r.length):
@@ -82,33 +95,46 @@ class KernelMover:
         finally:
             if self.stream is not None:
                 self.stream.synchronize()
+            for m in held:
+                self._release(m)
         return calls
 
-    def _source(self, peer: Peer, src: int) -> Span:
-        """P rank ``src``'s regions mapped here (once per P epoch; an older epoch's
-        mapping is kept until :meth:`close`: another load may still be copying from it)."""
+    def _acquire(self, peer: Peer, src: int) -> _Mapped:
+        """P rank ``src``'s regions mapped here (once per P epoch), marked in use; a
+        mapping of an older epoch is unmapped once no move uses it."""
         key = (peer.engine_id, src)
         with self._lock:
             known = self._sources.get(key)
-            if known is not None and known[0] == peer.epoch:
-                return known[2]
-            failed = self._failed.get(key)
-            if failed is not None and failed[0] == peer.epoch:
-                raise failed[1]
-            try:
-                opened, span = self._open(peer, src)
-            except TransportError as exc:
-                self._failed[key] = (peer.epoch, exc)
-                raise
-            if known is not None:
-                self._retired.append(known[1])
-            self._sources[key] = (peer.epoch, opened, span)
-            return span
+            if known is None or known.epoch != peer.epoch:
+                failed = self._failed.get(key)
+                if failed is not None and failed[0] == peer.epoch:
+                    raise failed[1]
+                try:
+                    opened, span = self._open(peer, src)
+                except TransportError as exc:
+                    self._failed[key] = (peer.epoch, exc)
+                    raise
+                if known is not None:
+                    known.retired = True
+                    self._unmap_if_idle(known)
+                known = self._sources[key] = _Mapped(peer.epoch, opened, span)
+            known.users += 1
+            return known
+
+    def _release(self, m: _Mapped) -> None:
+        with self._lock:
+            m.users -= 1
+            self._unmap_if_idle(m)
+
+    @staticmethod
+    def _unmap_if_idle(m: _Mapped) -> None:
+        if m.retired and m.users == 0:
+            m.opened.close()
 
     def _open(self, peer: Peer, src: int) -> tuple[Opened, Span]:
         info = peer.ranks[src]
         shares = rank_shares(info)
-        opened = Opened(shares, self.device)
+        opened = Opened(shares, self.kind, self.device)
         try:
             here = regions_at(opened.bases, tuple(s.nbytes for s in shares), self.kind, self.device)
             return opened, Span(here, names=list(info.bases))
@@ -119,10 +145,9 @@ class KernelMover:
     def close(self) -> None:
         """Unmap every P region (no load may be running)."""
         with self._lock:
-            opened = [o for _, o, _ in self._sources.values()] + self._retired
-            self._sources, self._retired = {}, []
-        for o in opened:
-            o.close()
+            mapped, self._sources = list(self._sources.values()), {}
+        for m in mapped:
+            m.opened.close()
 
 
 def kernel_mover(regions: list[Region]) -> KernelMover | None:

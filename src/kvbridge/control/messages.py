@@ -48,6 +48,7 @@ class WireShare(msgspec.Struct, array_like=True, frozen=True):
     handle: bytes
     offset: int
     nbytes: int
+    ident: int = 0
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -251,17 +252,16 @@ def wire_layout(
         regions[0].kind.value if regions else MemKind.HOST.value,
         regions[0].device if regions else 0,
         node_id() if shares else "",
-        [WireShare(s.way, s.handle, s.offset, s.nbytes) for s in shares or []],
+        [WireShare(s.way, s.handle, s.offset, s.nbytes, s.ident) for s in shares or []],
     )
 
 
 def rank_shares(info: RankInfo) -> list[Share]:
-    """The peer rank's shares, one per region (empty if it shares none)."""
-    if info.shares and len(info.shares) != len(info.regions):
-        raise PeerError(
-            f"rank {info.rank}: {len(info.shares)} shares for {len(info.regions)} regions"
-        )
-    return [Share(w.way, w.handle, w.offset, w.nbytes) for w in info.shares]
+    """The peer rank's shares, one per region and as large (empty if it shares none)."""
+    sizes = [w.nbytes for w in info.shares]
+    if info.shares and sizes != list(info.regions):
+        raise PeerError(f"rank {info.rank}: shares of {sizes} B for regions of {info.regions} B")
+    return [Share(w.way, w.handle, w.offset, w.nbytes, w.ident) for w in info.shares]
 
 
 def rank_regions(info: RankInfo, layout: RankLayout) -> list[Region]:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ from kvbridge.transport.memory import cuda_available
 __all__ = ["Opened", "Share", "export", "node_id"]
 
 SHM_DIR = "/dev/shm/"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,10 @@ class Share:
     handle: bytes
     offset: int
     nbytes: int
+    ident: int = 0
+    """shm: the file's identity (device and inode), checked by D after opening: a
+    process of another mount namespace (a container on the same host, same boot id) may
+    see another file under the same name."""
 
 
 @functools.cache
@@ -65,8 +72,18 @@ def export(region: Region) -> Share | None:
     return _shm_export(region)
 
 
+def _ident(st: os.stat_result) -> int:
+    return (st.st_dev * 1_000_003 + st.st_ino) & ((1 << 63) - 1)
+
+
+def _shm_file(path: str) -> bool:
+    """A file directly in /dev/shm (no subdirectory: nothing to redirect through links)."""
+    return path.startswith(SHM_DIR) and "/" not in path[len(SHM_DIR) :]
+
+
 def _shm_export(region: Region) -> Share | None:
-    """The /dev/shm file and offset behind ``region``, from this process's memory map."""
+    """The /dev/shm file and offset behind ``region``, from this process's memory map;
+    only a shared mapping (a private one's written pages are not the file's)."""
     end = region.addr + region.nbytes
     try:
         with open("/proc/self/maps") as f:
@@ -78,10 +95,14 @@ def _shm_export(region: Region) -> Share | None:
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         if lo <= region.addr and end <= hi and len(parts) == 6:
             path = parts[5].strip()
-            if not path.startswith(SHM_DIR) or path.endswith("(deleted)"):
+            if not _shm_file(path) or parts[1][3:4] != "s":
+                return None
+            try:
+                ident = _ident(os.stat(path))
+            except OSError:  # unlinked since
                 return None
             off = int(parts[2], 16) + region.addr - lo
-            return Share("shm", path.encode(), off, region.nbytes)
+            return Share("shm", path.encode(), off, region.nbytes, ident)
     return None
 
 
@@ -89,16 +110,20 @@ class Opened:
     """P's shared regions mapped into this process, in P's region order.
 
     ``bases[i]``: the local address of P's region ``i`` (its bytes are P's bytes);
-    :class:`TransportError` if a share cannot be mapped (another node, a closed file,
-    a handle the driver refuses). ``close()`` unmaps."""
+    :class:`TransportError` if a share cannot be mapped (a closed or different file, a
+    handle the driver refuses, a way that does not fit memory of ``kind`` here).
+    ``close()`` unmaps."""
 
-    def __init__(self, shares: list[Share], device: int = 0):
+    def __init__(self, shares: list[Share], kind: MemKind, device: int = 0):
         self._maps: list[mmap.mmap] = []
-        self._cuda: list[int] = []
+        self._cuda: dict[bytes, int] = {}  # a handle is opened once per process
         self.bases: list[int] = []
         self.device = device
+        on_gpu = kind is MemKind.DEVICE and cuda_available()
         try:
             for s in shares:
+                if (s.way == "cuda") != on_gpu:
+                    raise TransportError(f"a {s.way!r} share for {kind.value} memory here")
                 self.bases.append(self._open(s))
         except BaseException:
             self.close()
@@ -110,8 +135,9 @@ class Opened:
         if s.way == "cuda":
             if s.offset < 0 or s.nbytes <= 0:
                 raise TransportError(f"CUDA share +{s.offset} ({s.nbytes} B) refused")
-            addr = _cuda_open(s.handle, self.device)
-            self._cuda.append(addr)
+            addr = self._cuda.get(s.handle)
+            if addr is None:
+                addr = self._cuda[s.handle] = _cuda_open(s.handle, self.device)
             mapped = _cuda_size(addr)
             if s.offset + s.nbytes > mapped:  # reading past it would fault the context
                 raise TransportError(f"CUDA share ends at {s.offset + s.nbytes}, maps {mapped} B")
@@ -120,7 +146,7 @@ class Opened:
 
     def _open_shm(self, s: Share) -> int:
         path = s.handle.decode(errors="replace")
-        if not path.startswith(SHM_DIR) or "/../" in path or s.offset < 0 or s.nbytes <= 0:
+        if not _shm_file(path) or s.offset < 0 or s.nbytes <= 0:
             raise TransportError(f"shared memory {path!r} +{s.offset} ({s.nbytes} B) refused")
         page = s.offset - s.offset % mmap.ALLOCATIONGRANULARITY
         try:
@@ -128,11 +154,7 @@ class Opened:
         except OSError as exc:
             raise TransportError(f"cannot open shared memory {path!r}: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
-            if s.offset + s.nbytes > size:  # pages past the end would fault on access
-                raise TransportError(
-                    f"{path!r} has {size} B, the share ends at {s.offset + s.nbytes}"
-                )
+            _check_file(path, os.fstat(fd), s)
             m = mmap.mmap(fd, s.offset - page + s.nbytes, offset=page)
         except (OSError, ValueError) as exc:
             raise TransportError(f"cannot map {path!r} +{s.offset} {s.nbytes} B: {exc}") from exc
@@ -145,9 +167,19 @@ class Opened:
         """Unmap everything; tensors over the mappings must not be used any more."""
         for m in self._maps:
             m.close()
-        for addr in self._cuda:
-            _cuda_close(addr)
-        self._maps, self._cuda = [], []
+        for addr in self._cuda.values():
+            _cuda_close(addr, self.device)
+        self._maps, self._cuda = [], {}
+
+
+def _check_file(path: str, st: os.stat_result, s: Share) -> None:
+    """The file D opened is the one P shared, and holds the whole share."""
+    if not stat.S_ISREG(st.st_mode) or _ident(st) != s.ident:
+        raise TransportError(f"{path!r} here is not the file P shares (another namespace?)")
+    if s.offset + s.nbytes > st.st_size:  # pages past the end would fault on access
+        raise TransportError(
+            f"{path!r} has {st.st_size} B, the share ends at {s.offset + s.nbytes}"
+        )
 
 
 # --- CUDA driver API, through ctypes (present wherever a CUDA GPU is) -----------------
@@ -174,11 +206,25 @@ def _check(what: str, rc: int) -> None:
 
 
 def _current(device: int) -> None:
-    """Make the device's primary context current in this thread (torch owns it)."""
-    import torch
+    """Make GPU ``device``'s primary context (torch's) current in this thread: the driver
+    API needs it, and a new thread has none (``torch.cuda.set_device`` to the device it
+    believes current does not bind one)."""
+    cu = _driver()
+    ctx = _primary(device)
+    with _DRIVER_LOCK:
+        _check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctypes.c_void_p(ctx)))
 
-    torch.cuda.set_device(device)
-    torch.cuda.current_stream(device)  # forces the context to exist
+
+@functools.cache
+def _primary(device: int) -> int:
+    """GPU ``device``'s primary context, retained once per process."""
+    cu = _driver()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    with _DRIVER_LOCK:
+        _check("cuInit", cu.cuInit(ctypes.c_uint(0)))
+        _check("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device)))
+        _check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    return int(ctx.value or 0)
 
 
 def _cuda_export(region: Region) -> Share | None:
@@ -226,6 +272,15 @@ def _cuda_size(addr: int) -> int:
     return int(size.value) - (addr - int(base.value))
 
 
-def _cuda_close(addr: int) -> None:
-    with _DRIVER_LOCK:
-        _driver().cuIpcCloseMemHandle(ctypes.c_uint64(addr))
+def _cuda_close(addr: int, device: int) -> None:
+    """Unmap an opened handle (a refusal is logged: the mapping then stays)."""
+    try:
+        _current(device)
+        with _DRIVER_LOCK:
+            rc = _driver().cuIpcCloseMemHandle(ctypes.c_uint64(addr))
+    except TransportError as exc:
+        rc, why = -1, str(exc)
+    else:
+        why = f"CUresult {rc}"
+    if rc != 0:
+        log.warning("CUDA IPC mapping at %#x not closed: %s", addr, why)

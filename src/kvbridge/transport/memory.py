@@ -74,6 +74,12 @@ def byte_tensor(region: Region) -> torch.Tensor:
     if region.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=dev)
     if dev.type == "cuda":
-        return torch.as_tensor(_CudaBytes(region.addr, region.nbytes), device=dev)
+        t = torch.as_tensor(_CudaBytes(region.addr, region.nbytes), device=dev)
+        if t.data_ptr() != region.addr or t.device != dev:  # a copy, not the memory itself
+            raise TransportError(
+                f"torch made a copy of {region.addr:#x} +{region.nbytes} B on {t.device}, "
+                f"not a view on {dev}"
+            )
+        return t
     buf = (ctypes.c_uint8 * region.nbytes).from_address(region.addr)
     return torch.frombuffer(buf, dtype=torch.uint8)
