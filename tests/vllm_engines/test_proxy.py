@@ -112,6 +112,8 @@ def test_d_server_metrics_show_the_loads(servers: tuple[Server, Server], proxy: 
     names = sorted({ln.split("{")[0] for ln in kvb})
     assert "vllm:kvbridge_load_stage_seconds_bucket" in names, names
     assert any('stage="transfer"' in ln for ln in kvb), kvb
+    movers = [ln for ln in kvb if ln.startswith("vllm:kvbridge_loads_by_mover_total{")]
+    assert any('mover="pull"' in ln and float(ln.split()[-1]) >= 1 for ln in movers), movers
     with urllib.request.urlopen(p.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     done = [ln for ln in text.splitlines() if ln.startswith("vllm:kvbridge_leases_total{")]

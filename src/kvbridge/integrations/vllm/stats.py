@@ -3,6 +3,8 @@
 Prometheus form (:class:`KVBridgePromMetrics`, on the server's ``/metrics``)::
 
     vllm:kvbridge_loads_total{outcome}          loads finished, per D rank
+    vllm:kvbridge_loads_by_mover_total{mover}   loads done, by how the bytes moved: kernel
+                                                (P's memory mapped), pull or push
     vllm:kvbridge_load_failures_total{cause}    failed loads by error type
     vllm:kvbridge_transferred_bytes_total       bytes moved into D
     vllm:kvbridge_descriptors_total             runs posted to the transport
@@ -39,6 +41,7 @@ def observation(out: Outcome) -> dict[str, Any]:
         "seconds": out.seconds,
         "stages": dict(out.stages),
         "cause": cause,
+        "mover": out.mover,
     }
 
 
@@ -88,6 +91,11 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             name="vllm:kvbridge_loads",
             documentation="KV loads finished, per D rank.",
             labelnames=[*labelnames, "outcome"],
+        )
+        self.movers = c(
+            name="vllm:kvbridge_loads_by_mover",
+            documentation="KV loads done, by mover (kernel, pull, push).",
+            labelnames=[*labelnames, "mover"],
         )
         self.failures = c(
             name="vllm:kvbridge_load_failures",
@@ -139,6 +147,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             if not o["ok"]:
                 self.failures.labels(*lv, o["cause"] or "unknown").inc()
                 continue
+            self.movers.labels(*lv, o.get("mover") or "unknown").inc()
             self.bytes.labels(*lv).inc(o["bytes"])
             self.descs.labels(*lv).inc(o["descriptors"])
             self.seconds.labels(*lv).observe(o["seconds"])
