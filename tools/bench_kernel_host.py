@@ -1,5 +1,5 @@
 """Host time per request of the kernel mover: plan + the mover's address work (P's and
-D's addresses to span offsets, runs grouped by length), without the copy itself.
+D's addresses to span offsets, runs cut to equal lengths), without the copy itself.
 
 Llama-3.1-8B shapes (bf16, block 16, 4,000 blocks), shuffled block ids, synthetic
 addresses (nothing is touched: the spans' tensors are stand-ins). Target (issue 23):
@@ -19,7 +19,7 @@ import torch
 from kvbridge.bench.plan_bench import best_median_us, bound_all
 from kvbridge.bench.shapes import llama
 from kvbridge.connector import device_memory
-from kvbridge.connector.device_memory import Span, by_length
+from kvbridge.connector.device_memory import Span, equal_runs
 from kvbridge.layout.tensor import Region
 from kvbridge.plan import Geometry
 from kvbridge.spec import Parallel
@@ -48,9 +48,9 @@ def case(tokens: int, p_tp: int, d_tp: int, layout: str, calls: int) -> str:
         plan = geom.plan(tokens, p_ids, d_ids)
         calls_ = 0
         for src, r in plan.runs.items():
-            p_spans[src].offsets(r.src, r.length, "P")
-            d_span.offsets(r.dst, r.length, "D")
-            calls_ += len(by_length(r.length))
+            s_off = p_spans[src].offsets(r.src, r.length, "P")
+            d_off = d_span.offsets(r.dst, r.length, "D")
+            calls_ += len(equal_runs(d_off, s_off, r.length))
         return calls_
 
     runs = sum(len(r) for r in geom.plan(tokens, p_ids, d_ids).runs.values())
