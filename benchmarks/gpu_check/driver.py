@@ -3,8 +3,11 @@
     set-up     every rank builds its memory, agent and connector end; the driver holds the
                P instance's :class:`~kvbridge.api.Producer` (side channel, leases)
     connector  kvbridge's choice: the consumer loads each request (handshake, lease, plan,
-               mover); then the connector ends close (the consumer unmaps P's memory)
+               mover; on the GPU it must be the kernel mover where P shares its memory);
+               once per run the ordering case (:mod:`.ordering`); then the connector ends
+               close (the consumer unmaps P's memory)
     kernel     D maps P's memory itself: the kernel mover's steps, and a contiguous copy
+    triton     each D rank: did the fused Triton kernel run (:mod:`.facts`)
     nixl       direct, staged and one contiguous WRITE over kvbridge's NIXL agents
     vllm       per UCX thread count, fresh raw agents: READ by D, WRITE by P
 
@@ -21,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from benchmarks.gpu_check import facts, ordering
 from benchmarks.gpu_check import messages as m
 from benchmarks.gpu_check.cases import Case, Request, requests
 from benchmarks.gpu_check.plans import rank_bytes, vllm_refusal
@@ -73,6 +77,12 @@ class CaseResult:
     bytes: list[tuple[int, ...]] = field(default_factory=list)
     facts: list[dict[str, object]] = field(default_factory=list)
     """What each rank process runs on (torch, CUDA, NIXL build, Triton)."""
+    triton: list[dict[str, object]] = field(default_factory=list)
+    """Per D rank after the kernel phase: did the fused Triton kernel run (:mod:`.facts`)."""
+    ordering: dict[str, object] = field(default_factory=dict)
+    """The ordering case, where it ran (:mod:`.ordering`)."""
+    remarks: list[str] = field(default_factory=list)
+    """What the table notes under the case without failing it."""
 
 
 class OutOfBudget(Exception):
@@ -83,8 +93,18 @@ Go = Callable[[Request, int], tuple[float, list[m.Timing]]]
 
 
 class CaseRun:
-    def __init__(self, ranks: Ranks, case: Case, opts: Options, deadline: float, tag: str):
+    def __init__(
+        self,
+        ranks: Ranks,
+        case: Case,
+        opts: Options,
+        deadline: float,
+        tag: str,
+        ordering: bool = False,
+    ):
         self.ranks, self.case, self.opts, self.deadline, self.tag = ranks, case, opts, deadline, tag
+        self.want_ordering = ordering
+        """Run the ordering case (:mod:`.ordering`) in the connector phase."""
         self.reqs = requests(case)
         self.res = CaseResult(case, bytes=rank_bytes(case, self.reqs), facts=ranks.facts)
         self.seed = 0
@@ -115,7 +135,7 @@ class CaseRun:
         try:
             self.setup()
             self.res.setup_s = time.monotonic() - t0
-            for phase in (self.connector, self.kernel, self.nixl, self.vllm):
+            for phase in (self.connector, self.kernel, self.triton, self.nixl, self.vllm):
                 phase()
         except OutOfBudget:
             self.res.skipped = "the time budget ran out during this case"
@@ -252,6 +272,9 @@ class CaseRun:
 
     def connector(self) -> None:
         self.measure("kvbridge", self.case.mode, self.go_load)
+        facts.check_mover(self)
+        if self.want_ordering:
+            self.guarded("ordering", lambda: ordering.run(self))
         self.ask([(ro, r, m.CloseConnector()) for ro, r in self.ranks_of("D") + self.ranks_of("P")])
         self.connect()  # the consumer's close dropped P's agents from D's
 
@@ -283,6 +306,10 @@ class CaseRun:
                 self.every("D", m.CloseMaps())
 
         self.guarded("kernel", body)
+
+    def triton(self) -> None:
+        """Each D rank's fused-kernel facts, after the kernel mover's copies."""
+        self.guarded("triton", lambda: facts.check_triton(self, self.every("D", m.TritonFacts())))
 
     def nixl(self) -> None:
         pull = self.case.mode == "pull"

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # `make gpu-check`: run the check on a GPU machine without network. Its Python (3.12) and
 # CUDA torch are used as they are; NIXL, msgspec and pyzmq come from the folder `make
-# gpu-wheels` filled (GPU_WHEELS, default .gpu-wheels), unpacked into a temporary
-# directory that, with src/, goes on PYTHONPATH (nothing is installed). The JSON lands in
-# $OUT if set (the device tool brings $OUT back), else in build/, the table beside it.
+# gpu-wheels` filled (GPU_WHEELS, default .gpu-wheels), unpacked by Python (tarfile,
+# zipfile: no xz binary needed) into a temporary directory that, with src/, goes on
+# PYTHONPATH (nothing is installed). First, where pytest and hypothesis import, the unit
+# tests of the device copies run on CUDA twice, Triton on and off (UNIT_TIMEOUT_S each,
+# default 60; UNIT_TESTS=0 skips them), their result lines in $OUT/unit_*.txt. The JSON
+# lands in $OUT if set (the device tool brings $OUT back), else in build/, the table beside.
 #   PY (default python3), GPU_WHEELS, BUDGET_S (default 240), extra arguments: passed on.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,11 +18,55 @@ if ! ls "$wheels"/*-site.tar.xz >/dev/null 2>&1; then
 fi
 site=$(mktemp -d "${TMPDIR:-/tmp}/kvbridge-gpu-site.XXXXXX")
 trap 'rm -rf "$site"' EXIT
-for t in "$wheels"/*-site.tar.xz; do tar -xJf "$t" -C "$site"; done
-for w in "$wheels"/*.whl; do "$py" -m zipfile -e "$w" "$site"; done
+unpack=0
+"$py" - "$site" "$wheels"/*-site.tar.xz <<'PYEOF' || unpack=$?
+import sys, tarfile
+for path in sys.argv[2:]:
+    try:
+        tar = tarfile.open(path)  # xz through Python's lzma module
+    except tarfile.CompressionError as e:  # a Python built without lzma
+        sys.exit(f"gpu-check: {path}: {e}")
+    with tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(sys.argv[1], filter="data")
+        else:
+            tar.extractall(sys.argv[1])
+PYEOF
+if [ "$unpack" != 0 ]; then  # last resort: tar with an xz binary, where there is one
+  for t in "$wheels"/*-site.tar.xz; do tar -xJf "$t" -C "$site"; done
+fi
+for w in "$wheels"/*.whl; do
+  if [ -e "$w" ]; then "$py" -m zipfile -e "$w" "$site"; fi
+done
 export PYTHONPATH="$site:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export UCX_MODULES='^ib' NIXL_LOG_LEVEL=WARN
 out=${OUT:-build}
 mkdir -p "$out"
+
+unit_tests() {  # tests/unit/test_device_copies.py on CUDA, Triton on and off; never fails
+  local limit=${UNIT_TIMEOUT_S:-60} run=() t rc
+  if ! "$py" -c 'import pytest' 2>/dev/null; then
+    echo "gpu-check: pytest not available: unit tests on CUDA skipped"
+    return 0
+  fi
+  if ! "$py" -c 'import hypothesis' 2>/dev/null; then
+    echo "gpu-check: hypothesis not available: unit tests on CUDA skipped"
+    return 0
+  fi
+  if command -v timeout >/dev/null; then run=(timeout -k 10 "$limit"); fi
+  for t in 1 0; do
+    rc=0
+    log="$out/unit_device_copies_triton$t.log"
+    KVBRIDGE_TRITON=$t ${run[@]+"${run[@]}"} "$py" -m pytest -q -p no:cacheprovider -rfEs \
+      tests/unit/test_device_copies.py >"$log" 2>&1 || rc=$?
+    { echo "gpu-check: unit tests, KVBRIDGE_TRITON=$t: exit $rc$([ "$rc" = 124 ] && echo \
+        " (timed out after $limit s)")"
+      grep -E '^(FAILED|ERROR|SKIPPED)' "$log" | head -n 20 || true
+      tail -n 1 "$log"
+    } | tee "$out/unit_device_copies_triton$t.txt"
+  done
+}
+if [ "${UNIT_TESTS:-1}" != 0 ]; then unit_tests; fi
+
 "$py" -m benchmarks.gpu_check --budget-s "${BUDGET_S:-240}" --json "$out/gpu_check.json" "$@" \
   | tee "$out/gpu_check.txt"

@@ -174,3 +174,39 @@ class VllmConnect:
 @dataclass(frozen=True, slots=True)
 class VllmClose:
     pass
+
+
+# --- what the run reports besides times ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TritonFacts:
+    """D: whether the fused Triton copy kernel ran in this process (or torch took over)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LateFill:
+    """P: write the pattern of ``seed`` into ``request``'s blocks late, as an engine whose
+    KV write is still running: on the GPU after a ``delay_s`` sleep kernel on a side
+    stream (an event recorded after it), on the CPU by a thread that starts once told
+    (:class:`Written` or :class:`LateJoin`). Replies at once (:mod:`.ordering`)."""
+
+    request: Request
+    seed: int
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """P: ``ProducerWorker.written(event)`` on the late write's event (the library's rule
+    before a handle leaves P); replies once it returned."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LateJoin:
+    """P: wait for the late write to end (the CPU thread: start it first); replies whether
+    it was still running when this arrived."""
+
+    timeout_s: float

@@ -18,7 +18,7 @@ trusted by the check of its own output.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -91,13 +91,32 @@ def fill(
 ) -> None:
     """Write the pattern of ``seed`` into the blocks of ``tables`` (ids per spec group;
     state groups: one slot), whole blocks, through every view of ``layout``."""
+    for target, ids, want in fill_jobs(spec, layout, regions, tables, seed, words):
+        target[ids] = want
+
+
+Job = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(strided view into a region, block ids, pattern)``: ``view[ids] = pattern``."""
+
+
+def fill_jobs(
+    spec: ModelSpec,
+    layout: RankLayout,
+    regions: Sequence[torch.Tensor],
+    tables: Sequence[np.ndarray],
+    seed: int,
+    words: Words,
+) -> Iterator[Job]:
+    """What :func:`fill` writes, one view segment at a time, computed but not written:
+    each job's write is one indexed store on the device (no host transfer, no read
+    back), so a late write can be queued behind a slow kernel without the host waiting."""
     dev = regions[0].device
     ids = _ids(tables, dev)
     for v in layout.views:
         g, w = spec.group_of(v.layer), words[(v.layer, v.stream)]
         for seg in range(len(v.seg_units)):
             want = expected(seed, v, seg, ids[g].numel(), w, dev)
-            _strided(regions[v.region], v, seg, w)[ids[g]] = want
+            yield _strided(regions[v.region], v, seg, w), ids[g], want
 
 
 def mismatches(

@@ -62,6 +62,8 @@ class RankState:
     opened: list[Opened] = field(default_factory=list)
     notifs: set[bytes] = field(default_factory=set)
     vllm: Any = None
+    late: Any = None
+    """P: a late KV write in flight (:class:`benchmarks.gpu_check.ordering.Late`)."""
 
     @property
     def role(self) -> str:
@@ -237,6 +239,9 @@ def verify(st: RankState, cmd: m.Verify) -> m.Checked:
 
 
 def teardown(st: RankState) -> None:
+    from benchmarks.gpu_check.ordering import finish
+
+    finish(st)  # a late KV write still running ends before its memory goes
     close_connector(st, m.CloseConnector())
     if st.vllm is not None:
         st.vllm.close()
@@ -251,7 +256,7 @@ Handler = Callable[[RankState, Any], Any]
 
 
 def handlers() -> dict[type, Handler]:
-    from benchmarks.gpu_check import methods, vllm_rank
+    from benchmarks.gpu_check import facts, methods, ordering, vllm_rank
 
     return {
         m.Connect: connect,
@@ -266,6 +271,10 @@ def handlers() -> dict[type, Handler]:
         m.VllmOpen: vllm_rank.open_agent,
         m.VllmConnect: vllm_rank.connect,
         m.VllmClose: vllm_rank.close,
+        m.TritonFacts: facts.triton_facts,
+        m.LateFill: ordering.late_fill,
+        m.Written: ordering.written,
+        m.LateJoin: ordering.late_join,
     }
 
 

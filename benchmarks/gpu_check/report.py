@@ -173,12 +173,32 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
                 f"{'':<44}   target {t['target']:<48} {_fmt(t['value'], '.3f')} "
                 f"{t['unit']} (bound {_fmt(t['bound'], '.3f')}) {met}"
             )
+        lines += _facts_lines(res)
         failed = [(f"failed {name}", text) for name, text in res.errors.items()]
         for what, text in [*failed, ("error", res.error), ("stopped", res.skipped)]:
             if text:
                 lines.append(f"{'':<44}   {what}: {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _ordering_line(o: dict[str, Any]) -> str:
+    """The ordering case in one line: per variant the words that differed."""
+    parts = [
+        f"{v['variant']} {v['mismatches']} words differ ({v['mover']}, load {v['load_ms']:.1f} ms)"
+        for v in o.get("variants", [])
+    ]
+    return f"ordering, late KV write ({o['where']}): " + " · ".join([*parts, o.get("note", "")])
+
+
+def _facts_lines(res: CaseResult) -> list[str]:
+    """Under a case: remarks, each D rank's Triton verdict, the ordering case."""
+    pad = f"{'':<44}   "
+    out = [f"{pad}note {text}" for text in res.remarks]
+    out += [f"{pad}triton D{f['rank']}: {f.get('verdict', '?')}" for f in res.triton]
+    if res.ordering:
+        out.append(pad + _ordering_line(res.ordering))
+    return out
 
 
 def to_json(results: list[CaseResult], meta: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +217,9 @@ def to_json(results: list[CaseResult], meta: dict[str, Any]) -> dict[str, Any]:
                 "errors": res.errors,
                 "bytes_per_d_rank": [list(b) for b in res.bytes],
                 "ranks": res.facts,
+                "triton": res.triton,
+                "ordering": res.ordering,
+                "remarks": res.remarks,
                 "rows": table_rows,
                 "targets": targets(res, table_rows) if table_rows else [],
                 "samples": [asdict(s) for s in res.samples],

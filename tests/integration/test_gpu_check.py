@@ -3,7 +3,10 @@ P and D ranks as processes, torch CPU tensors through the device code paths, NIX
 memory, P's pools in /dev/shm. Every method that ran compared every byte it moved with
 the pattern and found none wrong; kvbridge's consumer chose the kernel mover (P's memory
 mapped through /dev/shm); the vLLM-like path ran where vLLM would read the pairing and
-says why not where it would not; the table was printed."""
+says why not where it would not; the ordering case ran once (a late KV write: stale bytes
+without ``written``, exact with it); every D rank reported its Triton facts; the table was
+printed. Without processes: the GPU verdicts (a Triton fall back, a kvbridge load that
+did not take the kernel mover) fail the case there and stay remarks on the CPU."""
 
 from __future__ import annotations
 
@@ -12,8 +15,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+
+from benchmarks.gpu_check import facts
+from benchmarks.gpu_check.cases import QUICK_CASES
+from benchmarks.gpu_check.driver import CaseResult, Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(290)]
 
@@ -77,3 +86,66 @@ def test_the_table_was_printed(check: tuple[dict, str]) -> None:
         assert text.count(case["label"]) >= len(METHODS), case["label"]
     assert "target kernel ≤ 1.5× contig copy + 50 µs" in text
     assert "target kvbridge load ≥ 80× faster than vLLM-like (8k)" in text
+
+
+def test_the_ordering_case_ran_once_and_written_kept_the_bytes(check: tuple[dict, str]) -> None:
+    report, text = check
+    ran = [c for c in report["cases"] if c["ordering"].get("variants")]
+    assert len(ran) == 1, [c["ordering"] for c in report["cases"]]
+    o = ran[0]["ordering"]
+    by = {v["variant"]: v for v in o["variants"]}
+    assert set(by) == {"no wait", "written(event)"}
+    assert by["written(event)"]["mismatches"] == 0 and by["written(event)"]["checked"] > 0
+    assert by["no wait"]["mismatches"] > 0, o  # the thread writes only after D's load
+    assert all(v["mover"] == "kernel" for v in o["variants"])
+    assert "hazard reproduced" in o["note"] and "ordering, late KV write (CPU" in text
+
+
+def test_every_d_rank_reported_its_triton_facts(check: tuple[dict, str]) -> None:
+    report, text = check
+    for case in report["cases"]:
+        assert [f["rank"] for f in case["triton"]] == list(range(case["case"]["d_tp"]))
+        for f in case["triton"]:
+            assert {"enabled", "imports", "failed", "built", "ran"} <= f.keys()
+            assert not f["cuda"] and f["verdict"].startswith("n/a on CPU"), f
+        assert case["remarks"] == [], case["label"]  # every load took the kernel mover
+    assert "triton D0: n/a on CPU" in text
+
+
+def _run(gpu: bool, movers: tuple[str, ...] = ("kernel",), shares: bool = True) -> Any:
+    """The parts of a :class:`CaseRun` the verdicts read."""
+    res = CaseResult(QUICK_CASES[0])
+    for i, mover in enumerate(movers):
+        detail: dict[str, object] = {"mover": mover, "reason": f"why {mover}"}
+        res.samples.append(Sample("kvbridge", "pull", i, 1, 0.001, 1, 1, 0, 0, 0, 1, detail))
+    info = SimpleNamespace(shares=[object()] if shares else [])
+    return SimpleNamespace(
+        res=res, opts=SimpleNamespace(gpu=gpu), ready=([SimpleNamespace(info=info)], [])
+    )
+
+
+def _triton(**kw: object) -> dict[str, object]:
+    f = dict(rank=0, cuda=True, enabled=True, imports=True, import_error="", version="3.5",
+             known=True, failed=False, built=True, ran=True, warnings=[])  # fmt: skip
+    return {**f, **kw}
+
+
+def test_a_triton_fall_back_fails_on_the_gpu_only() -> None:
+    run = _run(gpu=True)
+    facts.check_triton(run, [_triton(), _triton(rank=1, failed=True, ran=False, warnings=["x"])])
+    assert "D1: FELL BACK to torch copies (x)" in run.res.errors["triton"]
+    assert run.res.triton[0]["verdict"] == "fused kernel ran (triton 3.5)"
+    for off in (_triton(enabled=False, built=False, ran=False), _triton(cuda=False)):
+        run = _run(gpu=True)
+        facts.check_triton(run, [off])
+        assert not run.res.errors, off
+
+
+def test_a_kvbridge_load_off_the_kernel_mover_fails_on_the_gpu() -> None:
+    run = _run(gpu=True, movers=("kernel", "pull"))
+    facts.check_mover(run)
+    assert "request 1 took 'pull', not the kernel mover: why pull" in run.res.errors["kvbridge"]
+    for gpu, shares in ((False, True), (True, False)):  # CPU, or P shares nothing: a remark
+        run = _run(gpu=gpu, movers=("push",), shares=shares)
+        facts.check_mover(run)
+        assert not run.res.errors and "why push" in run.res.remarks[0]
