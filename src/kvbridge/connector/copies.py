@@ -91,15 +91,20 @@ class LocalMemory:
             raise TransportError(f"staged {what}: a run length outside (0, 2⁴⁰) B")
         if (reg < 0).any() or (addr + length > self.ends[np.maximum(reg, 0)]).any():
             raise TransportError(f"staged {what}: a run leaves local memory")
-        if length.shape[0] == 0:
-            return []
-        if bool((length == length[0]).all()):  # one length: the common case
-            return [(slice(0, length.shape[0]), int(length[0]))]
-        order = np.argsort(length, kind="stable")
-        key = length[order]
-        cut = np.flatnonzero(key[1:] != key[:-1]) + 1
-        bounds = [0, *cut.tolist(), int(key.shape[0])]
-        return [(order[lo:hi], int(key[lo])) for lo, hi in itertools.pairwise(bounds)]
+        return by_length(length)
+
+
+def by_length(length: np.ndarray) -> list[tuple[np.ndarray | slice, int]]:
+    """Runs grouped by length: ``(indices or a slice, length)``, each group in run order."""
+    if length.shape[0] == 0:
+        return []
+    if bool((length == length[0]).all()):  # one length: the common case
+        return [(slice(0, length.shape[0]), int(length[0]))]
+    order = np.argsort(length, kind="stable")
+    key = length[order]
+    cut = np.flatnonzero(key[1:] != key[:-1]) + 1
+    bounds = [0, *cut.tolist(), int(key.shape[0])]
+    return [(order[lo:hi], int(key[lo])) for lo, hi in itertools.pairwise(bounds)]
 
 
 def copy_equal(

@@ -9,11 +9,10 @@ inside one region before any byte moves, and nothing between regions is touched.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 
+from kvbridge.connector.copies import by_length
 from kvbridge.connector.device_copies import rows_copy
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region
@@ -91,19 +90,6 @@ class Span:
             start[miss], end[miss] = self.names[found], self.ends[found]
             idx[miss & (idx < 0)] = -1
         return idx, start, end
-
-
-def by_length(length: np.ndarray) -> list[tuple[np.ndarray | slice, int]]:
-    """Runs grouped by length: ``(indices or a slice, length)``, each group in run order."""
-    if length.shape[0] == 0:
-        return []
-    if bool((length == length[0]).all()):  # one length: the common case
-        return [(slice(0, length.shape[0]), int(length[0]))]
-    order = np.argsort(length, kind="stable")
-    key = length[order]
-    cut = np.flatnonzero(key[1:] != key[:-1]) + 1
-    bounds = [0, *cut.tolist(), int(key.shape[0])]
-    return [(order[lo:hi], int(key[lo])) for lo, hi in itertools.pairwise(bounds)]
 
 
 def equal_runs(
