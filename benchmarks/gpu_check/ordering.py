@@ -156,8 +156,8 @@ def late_join(st: RankState, cmd: m.LateJoin) -> bool:
     """Whether the late write was still running when this arrived; returns once it ended."""
     late = _late(st)
     pending = not late.event.query()
+    _end(late, cmd.timeout_s)  # its tensors stay referenced (st.late) until it ended
     st.late = None
-    _end(late, cmd.timeout_s)
     return pending
 
 

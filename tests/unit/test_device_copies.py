@@ -22,6 +22,17 @@ DEVICES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def triton_must_not_fall_back(request: pytest.FixtureRequest):
+    """On CUDA with Triton on, a test passing through torch's copies (the kernel failed
+    to build or launch and torch took over) proves nothing of the kernel: fail it."""
+    was = device_copies._TRITON.failed
+    yield
+    cuda = getattr(request.node, "callspec", None) and request.node.callspec.params.get("device")
+    if cuda == "cuda" and device_copies.triton_enabled() and not was:
+        assert not device_copies._TRITON.failed, "the Triton kernel failed; torch copied"
+
+
 def reference(
     dst: np.ndarray, d_off: np.ndarray, src: np.ndarray, s_off: np.ndarray, size: int
 ) -> np.ndarray:

@@ -207,7 +207,7 @@ def test_equal_runs_cuts_joined_runs_into_one_length_byte_exact() -> None:
     assert [x[2] for x in equal_runs(np.array([0, 512]), np.array([0, 512]), odd)] == [100, 300]
 
 
-def test_only_shared_file_mappings_are_offered(tmp_path) -> None:
+def test_only_shared_file_mappings_are_offered() -> None:
     fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvb-test-")
     try:
         os.ftruncate(fd, 8192)
@@ -270,3 +270,31 @@ def test_share_sizes_must_match_the_regions_at_the_handshake(shm: ShmPool) -> No
             rank_shares(msgspec.structs.replace(info, shares=short))
     finally:
         w.close()
+
+
+def test_an_older_epochs_mapping_closes_once_no_copy_uses_it() -> None:
+    from types import SimpleNamespace
+
+    from kvbridge.connector.kernel_mover import KernelMover
+
+    buf = np.zeros(4096, np.uint8)
+    mover = KernelMover([Region(int(buf.ctypes.data), 4096)])
+    closed: list[str] = []
+
+    def fake_open(peer, src):
+        if peer.epoch == "e3":
+            raise TransportError("P rank 0's memory: refused")
+        opened = SimpleNamespace(close=lambda: closed.append(peer.epoch))
+        return opened, mover.dst
+
+    mover._open = fake_open  # type: ignore[method-assign]
+    e1 = mover._acquire(SimpleNamespace(engine_id="P", epoch="e1"), 0)  # a copy running
+    e2 = mover._acquire(SimpleNamespace(engine_id="P", epoch="e2"), 0)  # P restarted
+    assert closed == []  # e1 still in use
+    mover._release(e1)
+    assert closed == ["e1"]
+    mover._release(e2)
+    with pytest.raises(TransportError, match="refused"):  # P restarted again, unmappable
+        mover._acquire(SimpleNamespace(engine_id="P", epoch="e3"), 0)
+    assert closed == ["e1", "e2"]  # retired though the new epoch did not map
+    mover.close()

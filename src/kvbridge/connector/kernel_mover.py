@@ -93,19 +93,27 @@ class KernelMover:
                     rows_copy(self.dst.tensor, d, span.tensor, s, size, stream=self.stream)
                     calls += 1
         finally:
-            if self.stream is not None:
-                self.stream.synchronize()
-            for m in held:
-                self._release(m)
+            try:
+                if self.stream is not None:
+                    self.stream.synchronize()
+            finally:
+                for m in held:
+                    self._release(m)
         return calls
 
     def _acquire(self, peer: Peer, src: int) -> _Mapped:
-        """P rank ``src``'s regions mapped here (once per P epoch), marked in use; a
-        mapping of an older epoch is unmapped once no move uses it."""
+        """P rank ``src``'s regions mapped here (once per P epoch), marked in use; the
+        mapping of an older epoch of that P (engine id and rank) is retired when a load
+        meets the new one, and unmapped once no move uses it."""
         key = (peer.engine_id, src)
         with self._lock:
             known = self._sources.get(key)
-            if known is None or known.epoch != peer.epoch:
+            if known is not None and known.epoch != peer.epoch:  # P restarted
+                known.retired = True
+                self._unmap_if_idle(known)
+                del self._sources[key]
+                known = None
+            if known is None:
                 failed = self._failed.get(key)
                 if failed is not None and failed[0] == peer.epoch:
                     raise failed[1]
@@ -114,9 +122,6 @@ class KernelMover:
                 except TransportError as exc:
                     self._failed[key] = (peer.epoch, exc)
                     raise
-                if known is not None:
-                    known.retired = True
-                    self._unmap_if_idle(known)
                 known = self._sources[key] = _Mapped(peer.epoch, opened, span)
             known.users += 1
             return known
@@ -134,13 +139,20 @@ class KernelMover:
     def _open(self, peer: Peer, src: int) -> tuple[Opened, Span]:
         info = peer.ranks[src]
         shares = rank_shares(info)
-        opened = Opened(shares, self.kind, self.device)
+        try:
+            opened = Opened(shares, self.kind, self.device)
+        except TransportError:
+            raise
+        except Exception as exc:  # e.g. torch or the driver refusing the pointer
+            raise TransportError(f"mapping P rank {src}'s memory: {exc!r}") from exc
         try:
             here = regions_at(opened.bases, tuple(s.nbytes for s in shares), self.kind, self.device)
             return opened, Span(here, names=list(info.bases))
-        except BaseException:
+        except Exception as exc:
             opened.close()
-            raise
+            if isinstance(exc, TransportError):
+                raise
+            raise TransportError(f"mapping P rank {src}'s memory: {exc!r}") from exc
 
     def close(self) -> None:
         """Unmap every P region (no load may be running)."""

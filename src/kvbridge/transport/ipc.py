@@ -229,8 +229,12 @@ def _primary(device: int) -> int:
 
 def _cuda_export(region: Region) -> Share | None:
     """The IPC handle of the allocation holding ``region``; None if not exportable."""
-    cu = _driver()
-    _current(region.device)
+    try:
+        cu = _driver()
+        _current(region.device)
+    except TransportError as exc:  # no sharing then: D moves the bytes over the transport
+        log.warning("GPU %d memory not shared: %s", region.device, exc)
+        return None
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     handle = _IpcHandle()
     with _DRIVER_LOCK:
