@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvbridge.connector.device_memory import Span, by_length
+from kvbridge.connector.copies import by_length
+from kvbridge.connector.device_memory import Span
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind, Region
 from kvbridge.transport.ipc import Opened, Share, export, node_id

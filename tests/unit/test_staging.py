@@ -3,14 +3,20 @@ a consumer over loopback that stages a transposed-K block-size change byte-exact
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.connector.copies import LocalMemory, copy_equal
+from kvbridge.connector.device_memory import DeviceMemory
 from kvbridge.connector.staging import CostModel, StagingPool, chunks
 from kvbridge.errors import TransportError
+from kvbridge.layout.tensor import MemKind
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region
 
@@ -141,9 +147,20 @@ def test_copy_equal_matches_a_run_by_run_copy(case: tuple[int, np.ndarray, np.nd
     assert np.array_equal(got, want)
 
 
-@settings(max_examples=100, deadline=None)
+def _memory(where: str, bufs: list[np.ndarray]) -> LocalMemory | DeviceMemory:
+    if where == "host":
+        return LocalMemory([Region(int(b.ctypes.data), b.nbytes) for b in bufs])
+    with mock.patch.dict(os.environ, {"KVBRIDGE_DEVICE_ON_CPU": "1"}):
+        regions = [Region(int(b.ctypes.data), b.nbytes, MemKind.DEVICE) for b in bufs]
+        return DeviceMemory(regions)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
+def test_scatter_and_gather_over_several_regions_and_lengths(where: str, seed: int) -> None:
+    """Host memory through numpy (LocalMemory), device memory through torch (DeviceMemory;
+    here torch CPU tensors over the same bytes, KVBRIDGE_DEVICE_ON_CPU)."""
     rng = np.random.default_rng(seed)
     # three regions carved from one buffer with guard gaps between them: the copies go
     # through one view spanning all regions, and must never write into a gap
@@ -151,10 +168,10 @@ def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
     whole = np.zeros(sum(sizes) + 4 * 64, np.uint8)
     starts = np.cumsum([64] + [n + 64 for n in sizes[:-1]])
     bufs = [whole[a : a + n] for a, n in zip(starts, sizes, strict=True)]
-    mem = LocalMemory([Region(int(b.ctypes.data), b.nbytes) for b in bufs])
+    mem = _memory(where, bufs)
     dst, length, pos = [], [], [0, 0, 0]
     for _ in range(int(rng.integers(1, 80))):  # disjoint runs, region and length at random
-        r, n = int(rng.integers(0, 3)), int(rng.choice([4, 8, 24, 64]))
+        r, n = int(rng.integers(0, 3)), int(rng.choice([3, 4, 8, 24, 64]))
         pos[r] += int(rng.integers(0, 16))
         if pos[r] + n > bufs[r].nbytes:
             continue
@@ -167,9 +184,10 @@ def test_scatter_and_gather_over_several_regions_and_lengths(seed: int) -> None:
     d, ln = np.array(dst, np.int64)[pick], np.array(length, np.int64)[pick]
     stage = rng.integers(0, 256, int(ln.sum()) + 8, dtype=np.uint8)
     off = np.concatenate(([0], np.cumsum(ln)[:-1]))
-    mem.scatter(d, stage, off, ln)
     back = np.zeros_like(stage)
-    mem.gather(d, back, off, ln)  # the same runs read back
+    as_buf = (lambda a: a) if where == "host" else torch.from_numpy  # same bytes
+    mem.scatter(d.view(np.uint64), as_buf(stage), off, ln.view(np.uint64))  # wire-typed
+    mem.gather(d, as_buf(back), off, ln)  # the same runs read back
     covered = [np.zeros(b.nbytes, bool) for b in bufs]
     for a, o, n in zip(d.tolist(), off.tolist(), ln.tolist(), strict=True):
         r = next(i for i, b in enumerate(bufs) if b.ctypes.data <= a < b.ctypes.data + b.nbytes)

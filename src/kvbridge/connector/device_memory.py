@@ -18,7 +18,7 @@ from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region
 from kvbridge.transport.memory import byte_tensor, torch_device
 
-__all__ = ["DeviceMemory", "Span", "by_length", "equal_runs"]
+__all__ = ["DeviceMemory", "Span", "equal_runs"]
 
 STRIDE = 64
 """Runs per region guess in :meth:`Span._region_of`."""

@@ -108,6 +108,13 @@ class CostModel:
             copy = runs * self.per_run + nbytes * self.per_byte
         return staged + copies * copy < direct
 
+    def shape(self, chs: list[Chunk], push: bool) -> CopyShape:
+        """How a staged round's copies go (:func:`copy_shape`); torch kernels on a device
+        have no strided views to weigh: one gather-scatter at the measured cost."""
+        if self.on_device:
+            return (None, False)
+        return _shape([copy_shape(c, push) for c in chs])
+
     def max_gap(self) -> int:
         """The gap whose bytes cost as much to move as one more descriptor."""
         return min(int(self.c_desc / self.c_byte), MAX_GAP)
@@ -241,8 +248,7 @@ class Stager:
                 continue
             spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
             extra = 0 if push else sum(c.staged_bytes for c in chs) - r.nbytes  # gaps
-            on_device = self.costs.on_device  # torch kernels: no strided views to weigh
-            shape = (None, False) if on_device else _shape([copy_shape(c, push) for c in chs])
+            shape = self.costs.shape(chs, push)
             copies = 2 if push else 1
             if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), copies, shape, extra):
                 out[src] = chs
