@@ -30,6 +30,7 @@ from benchmarks.gpu_check import vllm_rank
 from benchmarks.gpu_check.rank import RankState
 from kvbridge.connector.device_copies import rows_copy
 from kvbridge.connector.device_memory import equal_runs
+from kvbridge.connector.kernel_mover import copy_groups
 from kvbridge.plan import Plan, Runs
 from kvbridge.transport.base import XferHandle
 
@@ -191,17 +192,18 @@ def _await_notifs(st: RankState, want: set[bytes]) -> None:
 
 
 def kernel(st: RankState, cmd: m.Run) -> m.Timing:
-    """D: plan, offsets in the mapped spans, one copy kernel per group of equal runs (as
-    the kernel mover does), synchronise."""
+    """D: plan over the mapped spans' offsets, checks, one copy kernel per group of equal
+    runs (as the kernel mover does), synchronise."""
     t0 = time.monotonic()
-    plan = _plan(st, st.rank, cmd.request)
+    req = cmd.request
+    assert st.kernel_geom is not None
+    plan = st.kernel_geom.plan(req.tokens, req.p_tables, req.d_tables)
     t1 = time.monotonic()
     work = []
     for src, r in plan.runs.items():
         span = st.maps[src]
-        s_off = span.offsets(r.src, r.length, f"P rank {src}'s")
-        d_off = st.own.offsets(r.dst, r.length, "D's")
-        work += [(span, s, d, size) for d, s, size in equal_runs(d_off, s_off, r.length)]
+        groups = copy_groups(span, st.own, r, f"P rank {src}'s")
+        work += [(span, s, d, size) for d, s, size in groups]
     t2 = time.monotonic()
     for span, s_off, d_off, size in work:
         rows_copy(st.own.tensor, d_off, span.tensor, s_off, size, stream=st.stream)

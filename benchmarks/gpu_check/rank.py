@@ -58,6 +58,9 @@ class RankState:
     """Per D rank, its pairing with all of P (D: its own; P: every D rank's)."""
     bounds: tuple[list[Bound], list[Bound]] = ([], [])
     maps: dict[int, Span] = field(default_factory=dict)
+    kernel_geom: Geometry | None = None
+    """D: its pairing over the offsets of :attr:`maps` and :attr:`own` (as the kernel
+    mover plans)."""
     p0_staging: torch.Tensor | None = None
     opened: list[Opened] = field(default_factory=list)
     notifs: set[bytes] = field(default_factory=set)
@@ -204,6 +207,11 @@ def open_maps(st: RankState, cmd: m.OpenMaps) -> None:
         sizes = tuple(s.nbytes for s in rank_shares(info))
         here = regions_at(opened.bases, sizes, st.pools.kind, 0)
         st.maps[info.rank] = Span(here, names=list(info.bases))
+    p_b, d_b = st.bounds
+    (sp, sd), (pp, pd) = st.specs, st.pars
+    p_off = [Bound(b.layout, st.maps[r].bases) if r in st.maps else b for r, b in enumerate(p_b)]
+    d_off = Bound(d_b[st.rank].layout, st.own.bases)
+    st.kernel_geom = Geometry(sp, sd, pp, pd, p_off, d_off, st.rank)
     if cmd.staging is not None:
         opened = Opened([cmd.staging], st.pools.kind, 0)
         st.opened.append(opened)

@@ -48,5 +48,14 @@ class PeerError(KVBridgeError):
     """A peer sent a malformed, unauthenticated or hostile message."""
 
 
+class IdentityError(PeerError):
+    """A peer's engine id is not the one bound to its key (per-instance identities)."""
+
+
+class PromptMismatch(PeerError):
+    """A handle holds the KV of other prompt tokens than those D decodes from (a router
+    mixed up two requests): refused before any byte moves."""
+
+
 class LeaseExpired(KVBridgeError):
     """P no longer holds the blocks: bytes read under this lease are void."""

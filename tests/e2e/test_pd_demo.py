@@ -165,13 +165,18 @@ def test_pipeline_stages_on_both_sides(name: str) -> None:
     assert 0 < partial.bytes < full.bytes
 
 
-def test_a_dead_p_rank_makes_d_recompute_with_the_same_output() -> None:
+def test_a_mixed_up_handle_or_a_dead_p_rank_makes_d_recompute_the_same_output() -> None:
     name, prompt = "kimi-linear", PROMPTS[0]
     p = PrefillServer(name, Side(2, 16, "hnd"), SECRET)
     try:
         d = DecodeServer(name, Side(1, 32, "block-major"), SECRET, transfer_timeout_s=3.0)
         try:
             assert not Router(p, d).generate("warm", prompt, NEW_TOKENS).recomputed
+            other = p.prefill("mixed", prompt[::-1]).to_bytes()  # same length, other tokens
+            mixed = d.decode("mixed", prompt, other, NEW_TOKENS)
+            p.release("mixed")
+            assert mixed.recomputed and "PromptMismatch" in mixed.error and mixed.bytes == 0
+            assert mixed.tokens == colocated(name, tuple(prompt))
             handle = p.prefill("doomed", prompt).to_bytes()
             os.kill(p.engine.pids[1], signal.SIGKILL)
             out = d.decode("doomed", prompt, handle, NEW_TOKENS)

@@ -174,7 +174,9 @@ def test_block_tables_are_integers_in_range_nothing_coerced():
                 c.load(handle, shape)
         with pytest.raises(PlanError, match="cached tokens"):
             c.load(handle, d_tabs, cached=-1)
-        assert c.pending() == 0
+        assert c.pending() == 0  # each refusal told P (a tokenless fail): its lease ended
+        assert [f.request_id for f in w.producer.freed(wait_for=1)] == ["t"]
+        handle, d_tabs = w.request("t2", 20)
         c.load(handle, [np.asarray(t, np.int32) for t in d_tabs])  # numpy ids are fine
         assert w.wait()[0].ok
     finally:

@@ -182,6 +182,26 @@ def test_span_maps_names_to_offsets_and_refuses_stray_runs() -> None:
             span.offsets(np.array([addr]), np.array([n]), "x")
 
 
+def test_span_bases_address_the_tensor_and_check_bounds_every_run() -> None:
+    """A plan made over ``Span.bases`` (the kernel mover's geometry) addresses the
+    tensor directly; :meth:`Span.check` refuses any run outside it, wherever it is."""
+    a, b = np.zeros(4096, np.uint8), np.zeros(1024, np.uint8)
+    span = Span([Region(int(b.ctypes.data), 1024), Region(int(a.ctypes.data), 4096)])
+    top = span.tensor.shape[0]
+    for base, arr in zip(span.bases, (b, a), strict=True):
+        span.tensor[base + 5] = 7
+        assert arr[5] == 7
+    good = np.array([span.bases[0], span.bases[1] + 4088], np.int64)
+    span.check(good, np.array([8, 8], np.int64), "x", (8, 8))
+    rng = np.random.default_rng(1)
+    for off, n in [(-1, 2), (top - 4, 5), (0, 0), (5, -3), (top, 1)]:
+        offs, lens = rng.integers(0, top - 64, 300), np.full(300, 8)
+        at = int(rng.integers(0, 300))
+        offs[at], lens[at] = off, n
+        with pytest.raises(TransportError, match=f"run {at} .* lies outside"):
+            span.check(offs, lens, "x", (int(lens.min()), int(lens.max())))
+
+
 def test_by_length_groups_runs_in_order() -> None:
     groups = by_length(np.array([8, 4, 8, 4, 2]))
     assert [(np.asarray(k).tolist(), n) for k, n in groups] == [([4], 2), ([1, 3], 4), ([0, 2], 8)]

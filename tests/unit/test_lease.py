@@ -15,8 +15,8 @@ class Clock:
         return self.now
 
 
-def op(name: LeaseOpName, d_rank: int = 0) -> LeaseOp:
-    return LeaseOp(name, "r1", "L1", "digest", "D", d_rank, 2)
+def op(name: LeaseOpName, d_rank: int = 0, token: str = "") -> LeaseOp:
+    return LeaseOp(name, "r1", "L1", "digest", "D", d_rank, 2, "e", token)
 
 
 def test_replies_carry_the_seconds_left_not_p_clock() -> None:
@@ -27,7 +27,8 @@ def test_replies_carry_the_seconds_left_not_p_clock() -> None:
     assert table.on_op(op("confirm")) == LeaseReply("held", 20.0)
     assert table.on_op(op("renew")) == LeaseReply("held", 30.0)
     reply = unseal(seal(table.on_op(op("begin", 1)), b"k"), b"k")
-    assert reply == LeaseReply("held", 30.0)
+    assert isinstance(reply, LeaseReply) and (reply.state, reply.remaining_s) == ("held", 30.0)
+    assert len(reply.token) == 32
 
 
 def test_a_lapsed_lease_answers_expired_and_frees_its_blocks_once() -> None:
@@ -46,10 +47,10 @@ def test_a_lapsed_lease_answers_expired_and_frees_its_blocks_once() -> None:
 def test_begin_is_accepted_once_per_d_rank() -> None:
     table = LeaseTable(30.0, Clock(0.0))
     table.grant("r1", "L1", [[3, 4]], "digest")
-    assert table.on_op(op("begin", 0)).state == "held"
+    token = table.on_op(op("begin", 0)).token
     assert table.on_op(op("begin", 0)).state == "refused"  # replayed or repeated
     assert table.on_op(op("begin", 1)).state == "held"  # another D rank of the request
-    assert table.on_op(op("renew", 0)).state == "held"
+    assert table.on_op(op("renew", 0, token)).state == "held"
 
 
 def test_renewals_cannot_hold_a_lease_past_its_maximum() -> None:
@@ -71,13 +72,14 @@ def test_an_abort_waits_for_the_d_ranks_that_began() -> None:
     clock = Clock(0.0)
     table = LeaseTable(30.0, clock)
     table.grant("r1", "L1", [[3, 4]], "digest")
-    assert table.on_op(op("begin", 0)) == LeaseReply("held", 30.0)
+    began = table.on_op(op("begin", 0))
+    assert (began.state, began.remaining_s) == ("held", 30.0)
     assert table.abort("r1") and not table.abort("r1")
     assert table.drain_freed() == []  # rank 0 is still reading
     assert table.on_op(op("begin", 1)).state == "expired"  # no new reader
     assert table.on_op(op("renew", 1)).state == "expired"
     clock.now = 10.0
-    assert table.on_op(op("confirm", 0)) == LeaseReply("held", 20.0)  # its bytes stood
+    assert table.on_op(op("confirm", 0, began.token)) == LeaseReply("held", 20.0)  # bytes stood
     assert [f.reason for f in table.drain_freed()] == [LeaseState.ABORTED]
     assert table.held() == 0
 
@@ -90,7 +92,7 @@ def test_an_abort_with_no_reader_frees_at_once_and_a_waiting_one_expires() -> No
     assert table.on_op(LeaseOp("fail", "r1", "L1", "digest", "D", 0, 2)).state == "held"
     assert table.abort("r1")  # its only reader reported: nothing is reading
     assert [f.request_id for f in table.drain_freed()] == ["r1"]
-    assert table.on_op(LeaseOp("begin", "r2", "L1", "digest", "D", 1, 2)).state == "held"
+    assert table.on_op(LeaseOp("begin", "r2", "L1", "digest", "D", 1, 2, "e")).state == "held"
     assert table.abort("r2")
     clock.now = 29.0
     assert table.drain_freed() == []
@@ -106,8 +108,9 @@ def test_a_rank_that_reported_cannot_begin_again_and_so_read_past_a_free() -> No
     table.grant("r1", "L1", [[3, 4]], "digest")
     assert table.on_op(op("fail", 0)).state == "held"
     assert table.on_op(op("begin", 0)).state == "refused"
-    assert table.on_op(op("begin", 1)).state == "held"
+    token = table.on_op(op("begin", 1)).token
     assert table.abort("r1")
     assert table.drain_freed() == []  # rank 1 began and has not reported
-    assert table.on_op(op("confirm", 1)).state == "held"
+    assert table.on_op(op("confirm", 1)).state == "foreign"  # no token: not rank 1's word
+    assert table.on_op(op("confirm", 1, token)).state == "held"
     assert [f.reason for f in table.drain_freed()] == [LeaseState.ABORTED]

@@ -3,7 +3,10 @@ keys off the allow-list get no session; explicit per-deployment keys work."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
 import socket
 import threading
 import time
@@ -14,8 +17,15 @@ import zmq
 
 from kvbridge.connector.consumer import Consumer
 from kvbridge.control.channel import Client, Server
-from kvbridge.control.messages import ErrorReply, Handshake, LeaseOp, LeaseReply, Message
-from kvbridge.control.security import Keys
+from kvbridge.control.messages import (
+    ErrorReply,
+    Handshake,
+    LeaseOp,
+    LeaseReply,
+    Message,
+    unseal,
+)
+from kvbridge.control.security import Keys, secure_client
 from kvbridge.errors import ConfigError, PeerError
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import SECRET as SPEC_SECRET
@@ -199,3 +209,33 @@ def test_bad_keys_files_are_refused_naming_the_problem(tmp_path, body, why):
     f.write_text(body)
     with pytest.raises(ConfigError, match=why):
         Keys.load(f)
+
+
+def nested_frame(depth: int) -> bytes:
+    """A correctly sealed frame whose unknown field nests ``depth`` msgpack arrays."""
+    body = b"\x82\xa4type\xa5lease\xa3zzz" + b"\x91" * depth + b"\xc0"
+    return hmac.new(SECRET, body, hashlib.sha256).digest() + body
+
+
+def test_a_deeply_nested_frame_is_refused_as_malformed(caplog):
+    """100,000 nested arrays, sealed with the secret: a typed PeerError, no RecursionError
+    (the server answers ``malformed`` and logs no handler bug)."""
+    frame = nested_frame(100_000)
+    with pytest.raises(PeerError, match="malformed message: nested too deeply"):
+        unseal(frame, SECRET)
+    calls: list[Message] = []
+    server = serve(calls)
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        secure_client(sock, Keys.from_secret(SECRET))
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.endpoint)
+        with caplog.at_level(logging.ERROR, logger="kvbridge.control.channel"):
+            sock.send(frame)
+            reply = unseal(sock.recv(), SECRET)
+        assert reply == ErrorReply("PeerError", "malformed message: nested too deeply")
+        assert not caplog.records and calls == []
+    finally:
+        sock.close(0)
+        server.close()

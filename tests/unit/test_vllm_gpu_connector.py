@@ -41,7 +41,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvbridge.integrations.vllm import worker as worker_module
 from kvbridge.integrations.vllm.cache import read_cache
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
-from kvbridge.integrations.vllm.metadata import decode_info
+from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
 from kvbridge.integrations.vllm.placement import place
 from tests.unit.test_vllm_gpu_layout import HD, KINDS, NB, layer_of, storage, write, write_tokens
 
@@ -161,23 +161,74 @@ def tokens(eng: Engine, r: int, ids: list[int], toks: range) -> None:
 
 
 def prefill(p: Engine, slot: int, ids: list[int], n: int) -> dict[str, Any]:
-    """P computes ``n`` tokens into vLLM blocks ``ids`` (state: ``slot``) on every rank,
+    """P computes ``n`` tokens into vLLM blocks ``ids`` (state: ``slot``) on every rank in
+    one step (a request for remote decode: its workers wait for the step's KV writes),
     then its scheduler finishes the request; the request's ``kv_transfer_params``."""
-    for r, w in enumerate(p.workers):
-        write((p.caches[r], p.specs), slot, ids, p.tp, r, range(len(ids) * p.block))
-        for name, t in p.caches[r].items():
-            w.save_kv_layer(name, t, None)
-        w.wait_for_save()
     req = SimpleNamespace(
         request_id="p-req",
         kv_transfer_params={"do_remote_decode": True},
         status=SimpleNamespace(name="FINISHED_STOPPED"),
-        num_prompt_tokens=n,
+        num_prompt_tokens=n + 1,  # P prefills one token short
+        prompt_token_ids=list(range(n + 1)),
+        _all_token_ids=list(range(n + 1)),
     )
+    p.sched.on_new_request(req)
+    assert req.num_prompt_tokens == n
+    meta = p.sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p-req": n}))
+    assert isinstance(meta, StepMeta) and meta.save
+    for r, w in enumerate(p.workers):
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(SimpleNamespace())
+        write((p.caches[r], p.specs), slot, ids, p.tp, r, range(len(ids) * p.block))
+        for name, t in p.caches[r].items():
+            w.save_kv_layer(name, t, None)
+        w.wait_for_save()
+        w.clear_connector_metadata()
     tables = ([slot], ids) if any(isinstance(s, MambaSpec) for s in p.specs.values()) else (ids,)
     delay, params = p.sched.request_finished_all_groups(req, tables)
     assert delay and params is not None
     return params
+
+
+def test_p_waits_for_kv_writes_only_in_steps_with_a_remote_prefill(
+    engines: list[Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait_for_save`` waits for the step's KV writes only in steps that schedule a
+    request prefilled for remote decode (its handle may leave after the step); other steps
+    (local requests, decodes) do not wait."""
+    engines.append(p := Engine("P", "kv_producer", "kv", SIDES["kv"][0], monkeypatch))
+    waits: list[int] = []
+    for r, w in enumerate(p.workers):
+        assert w.worker is not None and w.worker.producer is not None
+        monkeypatch.setattr(w.worker.producer, "written", lambda r=r: waits.append(r))
+    remote = SimpleNamespace(
+        request_id="remote",
+        kv_transfer_params={"do_remote_decode": True},
+        num_prompt_tokens=9,
+        prompt_token_ids=list(range(9)),
+        _all_token_ids=list(range(9)),
+    )
+    local = SimpleNamespace(request_id="local", kv_transfer_params=None)
+    p.sched.on_new_request(remote)
+    p.sched.on_new_request(local)
+
+    def step(*ids: str) -> list[int]:
+        waits.clear()
+        meta = p.sched.build_connector_meta(
+            SimpleNamespace(num_scheduled_tokens=dict.fromkeys(ids, 4))
+        )
+        for w in p.workers:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(SimpleNamespace())
+            w.wait_for_save()
+            w.clear_connector_metadata()
+        return list(waits)
+
+    assert step("local") == []
+    assert step("local", "remote") == [0]
+    remote.status = SimpleNamespace(name="FINISHED_STOPPED")
+    p.sched.request_finished_all_groups(remote, ([1],))
+    assert step("local", "remote") == []  # ended: its handle left already
 
 
 def load(d: Engine, params: dict[str, Any], tables: tuple, n: int, cached: int) -> None:

@@ -1,5 +1,6 @@
-"""Bad input and faults in real vLLM: a tampered or malformed handle and a killed P make
-the load fail; vLLM's ``kv_load_failure_policy="recompute"`` then recomputes on D, so the
+"""Bad input and faults in real vLLM: a tampered or malformed handle, the handle of
+another prompt of the same length (a router that mixed two requests up) and a killed P
+make the load fail; vLLM's ``kv_load_failure_policy="recompute"`` then recomputes on D, so the
 output still equals the colocated run; with ``"fail"`` the failed request alone finishes
 with an error. Nothing hangs and D keeps serving."""
 
@@ -29,6 +30,10 @@ def failed(d: Engine) -> int:
     return int(d.rpc(connector_totals)[0].get("loads_failed", 0))
 
 
+def mismatches(d: Engine) -> int:
+    return int(d.rpc(connector_totals)[0].get("failed_PromptMismatch", 0))
+
+
 def tamper(params: dict[str, object], **change: object) -> dict[str, object]:
     h = TransferHandle.from_bytes(base64.b64decode(str(params["kvbridge"])))
     h2 = msgspec.structs.replace(h, **change)
@@ -37,7 +42,7 @@ def tamper(params: dict[str, object], **change: object) -> dict[str, object]:
 
 def test_bad_handles_fail_then_recompute(engines: tuple[Engine, ...]) -> None:
     p, d = engines
-    batch = prompts(30, (200, 150, 90))
+    batch = prompts(30, (200, 150, 90)) + prompts(35, (120, 120))
     ref = [o.tokens for o in p.generate(batch, 16)]
     pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
     good = pre[0].kv_transfer_params
@@ -51,12 +56,16 @@ def test_bad_handles_fail_then_recompute(engines: tuple[Engine, ...]) -> None:
         {"kvbridge": "not base64 at all!"},
         # a P that is gone (a known P's endpoint would be taken from the cached peer)
         tamper(pre[2].kv_transfer_params or {}, engine_id="gone", endpoint="tcp://127.0.0.1:9"),
+        # mixed up: each of two prompts of 120 tokens gets the other's handle
+        pre[4].kv_transfer_params,
+        pre[3].kv_transfer_params,
     ]
-    before = failed(d)
+    before, mixed = failed(d), mismatches(d)
     t0 = time.monotonic()
     out = d.generate(batch, 16, bad)
     assert [o.tokens for o in out] == ref
-    assert failed(d) - before == 3
+    assert failed(d) - before == 5
+    assert mismatches(d) - mixed == 2
     assert time.monotonic() - t0 < 60
     # D still serves P/D requests afterwards
     more = prompts(31, (120,))

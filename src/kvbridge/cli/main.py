@@ -15,7 +15,7 @@ import sys
 
 from kvbridge.errors import KVBridgeError
 
-COMMANDS = ("plan", "bench", "demo", "proxy")
+COMMANDS = ("plan", "bench", "demo", "proxy", "keys")
 
 
 def build_parser() -> argparse.ArgumentParser:

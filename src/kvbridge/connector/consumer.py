@@ -16,31 +16,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvbridge.connector.directions import Directions, measure
 from kvbridge.connector.fence import Check, Fence, Held
-from kvbridge.connector.handle import TransferHandle, checked_tables
+from kvbridge.connector.handle import Tokens, TransferHandle, checked_tables
 from kvbridge.connector.kernel_mover import kernel_mover
+from kvbridge.connector.lease_calls import LeaseCalls
 from kvbridge.connector.load import (
     LoadState,
     Mode,
     Outcome,
     Policy,
     _Load,
-    checked_reply,
     failed_blocks,
-    lease_op,
 )
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.pull import pull
-from kvbridge.connector.push import ProbeArea, push_fence_checks, push_runs
+from kvbridge.connector.push import ProbeArea, PushBind, push_fence_checks, push_runs
 from kvbridge.connector.push_staging import StagedPusher, choose_push
 from kvbridge.connector.staging import Stager
-from kvbridge.control.channel import Client
-from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
 from kvbridge.layout.tensor import MemKind, Region, regions_at
@@ -53,6 +51,7 @@ from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport
 
 log = logging.getLogger(__name__)
+_WAITING = (LoadState.QUEUED, LoadState.HANDSHAKE)
 
 
 class Consumer:
@@ -61,6 +60,8 @@ class Consumer:
     trust_lease = 0.5
     """A load whose last byte landed within this fraction of the lease time P granted at
     ``begin`` is done without asking P again (:mod:`kvbridge.control.lease`)."""
+    require_prompt = False
+    """Refuse a load without ``prompt``, or of a handle whose P named no prompt."""
 
     def __init__(
         self,
@@ -112,6 +113,7 @@ class Consumer:
             engine_id, spec, par, rank, Bound(layout, tuple(bases)), transport, secret,
             timeout_s=transfer_timeout_s, model_id=model_id, pad_blocks=pad_blocks, keys=keys,
         )  # fmt: skip
+        self.leases = LeaseCalls(engine_id, rank, par.world, self.peers, secret, transfer_timeout_s)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}
@@ -119,8 +121,7 @@ class Consumer:
         self._stop = threading.Event()
         self.fence = Fence(transport, self._deliver)
         self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
-        self._renewer = threading.Thread(target=self._renew_loop, daemon=True)
-        self._renewer.start()
+        self._renewer = self.leases.start_renewing(self._stop, self._waiting)
 
     def _register(self, regions: list[Region], staging_bytes: int, workers: int) -> bytes:
         """Register the KV ``regions``, the staging area (in the same memory) and the
@@ -134,11 +135,23 @@ class Consumer:
             extra.append(self._probe.region)  # the push fence's probes land here
         return self.transport.register(regions + extra)
 
-    def load(self, handle: TransferHandle, tables: list[list[int]], cached: int = 0) -> None:
-        """Queue the transfer of ``handle``'s request into local ``tables``."""
-        tables = checked_tables(tables, self.peers.bound.layout.num_blocks, "D's block tables")
-        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
-            raise PlanError(f"cached tokens must be an int >= 0, got {cached!r}")
+    def load(
+        self,
+        handle: TransferHandle,
+        tables: list[list[int]],
+        cached: int = 0,
+        prompt: Tokens | None = None,
+    ) -> None:
+        """Queue the transfer of ``handle``'s request into local ``tables``; ``prompt``: the
+        token ids D decodes from, checked first (:meth:`TransferHandle.check_prompt`)."""
+        handle.check_prompt(prompt, self.require_prompt)
+        try:
+            tables = checked_tables(tables, self.peers.bound.layout.num_blocks, "D's block tables")
+            if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+                raise PlanError(f"cached tokens must be an int >= 0, got {cached!r}")
+        except PlanError:  # refused before it began: P may free the blocks now
+            self._pool.submit(self.leases.release, _Load(handle, [], 0), "fail")
+            raise
         job = _Load(handle, tables, cached)
         with self._lock:
             if handle.request_id in self._loads:
@@ -149,17 +162,7 @@ class Consumer:
     def release(self, handle: TransferHandle) -> None:
         """Tell P this rank needs none of ``handle``'s blocks (D computed or cached them
         itself), so P frees them once every D rank has said so, not at lease expiry."""
-        self._pool.submit(self._release, _Load(handle, [], 0))
-
-    def _release(self, job: _Load) -> None:
-        try:
-            peer = self.peers.get(job.handle)
-            try:
-                self._lease(peer, job, "confirm")
-            finally:
-                self.peers.done(peer)
-        except KVBridgeError as e:
-            log.warning("release of %s at P failed: %s", job.handle.request_id, e)
+        self._pool.submit(self.leases.release, _Load(handle, [], 0))
 
     def poll(self) -> list[Outcome]:
         with self._lock:
@@ -199,7 +202,7 @@ class Consumer:
             if not isinstance(e, KVBridgeError):
                 log.exception("load of %s failed", job.handle.request_id)
             job.state = LoadState.FAILED
-            self._tell_p.submit(self._report_failure, job)
+            self._tell_p.submit(self.leases.report_failure, job)
             out = Outcome(
                 job.handle.request_id,
                 False,
@@ -219,19 +222,22 @@ class Consumer:
         if late:
             self.peers.done(peer)
         else:  # P frees the blocks when every D rank has confirmed: tell it, off the path
-            self._tell_p.submit(self._confirm_later, peer, job, time.monotonic())
+            self._tell_p.submit(self.leases.confirm_later, peer, job, time.monotonic())
 
     def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, float]:
-        """``begin`` sent, the plan made while P answers (P's other calls wait for it),
-        P's "held" checked → (plan, monotonic time begin was sent, lease seconds left)."""
+        """``begin`` sent, the plan made while P answers (P's other calls wait for it; in
+        the kernel mover's offsets where it serves), P's "held" checked → (plan, monotonic
+        time begin was sent, lease seconds left)."""
         begun = time.monotonic()
-        reply = peer.client.send(self._op(job, "begin"), since=job.queued)
+        reply = peer.client.send(self.leases.op(job, "begin"), since=job.queued)
         try:
             h = job.handle
-            plan = peer.geometry.plan(h.n_tokens, h.block_tables, job.tables, job.cached)
+            kernel = self.kernel.geometry(peer) if self.kernel else (None, "D maps nothing")
+            geometry, job.no_kernel = kernel[0] or peer.geometry, kernel[1]
+            plan = geometry.plan(h.n_tokens, h.block_tables, job.tables, job.cached)
         finally:
             job.lap("plan")
-            left = checked_reply(job.handle, "begin", reply()).remaining_s
+            left = self.leases.begun(job, reply())
             job.lap("lease")
         return plan, begun, left
 
@@ -239,18 +245,9 @@ class Consumer:
         """A ``late`` load asks P whether the lease held after its last byte landed."""
         job.move(LoadState.VERIFY)
         if late:
-            self._lease(peer, job, "confirm")
+            self.leases.call(peer, job, "confirm")
         job.lap("verify")
         return late
-
-    def _confirm_later(self, peer: Peer, job: _Load, since: float) -> None:
-        """``since``: its queue time (behind a call that timed out, it fails at once)."""
-        try:
-            self._lease(peer, job, "confirm", since=since)
-        except KVBridgeError as e:  # P frees at lease expiry instead
-            log.warning("confirming %s at P failed: %s", job.handle.request_id, e)
-        finally:
-            self.peers.done(peer)
 
     def _deliver(self, out: Outcome) -> None:
         with self._lock:
@@ -275,9 +272,8 @@ class Consumer:
 
     def _transfer(self, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
         """Move ``plan``'s runs with the mover this request gets: ``(mover, why)``."""
-        sources = plan.runs.keys()
-        why = self.kernel.why_not(peer, sources) if self.kernel else "D's memory is not mapped"
-        if self.kernel is not None and not why:
+        sources, why = plan.runs.keys(), job.no_kernel
+        if self.kernel is not None and why == "":
             job.posted += self.kernel.move(peer, plan.runs)
             return "kernel", "P's memory is mapped here (same node)"
         mode, how = self._direction(peer, min(sources, default=0))
@@ -311,7 +307,9 @@ class Consumer:
         if staged is not None:
             job.slot = staged.slot
             runs = {src: r for src, r in runs.items() if src not in staged.ranks}
-        want, job.posted = push_runs(peer, rid, runs, self.rank, self.metadata, job.pushed)
+        job.nonce = secrets.token_hex(16)  # retired at P with each rank's last message
+        bind = PushBind(job.token, self.leases.epoch, job.nonce)
+        want, job.posted = push_runs(peer, rid, runs, self.rank, self.metadata, job.pushed, bind)
         self._await(want, deadline)
         if stager is None or staged is None:
             if stager is not None:
@@ -319,7 +317,7 @@ class Consumer:
                 stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
             return
         pusher = StagedPusher(
-            stager, peer, rid, self.rank, self.metadata, lambda w: self._await(w, deadline)
+            stager, peer, rid, self.rank, self.metadata, lambda w: self._await(w, deadline), bind
         )
         posted, job.staged_runs = pusher.run(staged, job.pushed)
         job.posted += posted
@@ -340,44 +338,11 @@ class Consumer:
                 raise TransferTimeout(f"push notifications missing after {self.timeout_s} s")
             time.sleep(0.0005)
 
-    def _lease(
-        self, peer: Peer | Client, job: _Load, op: LeaseOpName, since: float | None = None
-    ) -> LeaseReply:
-        client = peer if isinstance(peer, Client) else peer.client
-        return checked_reply(job.handle, op, client.call(self._op(job, op), since))
-
-    def _op(self, job: _Load, op: LeaseOpName) -> LeaseOp:
-        return lease_op(job.handle, op, self.engine_id, self.rank, self.par.world)
-
-    def _report_failure(self, job: _Load) -> None:
-        peer = self.peers.known(job.handle)
-        with contextlib.suppress(KVBridgeError):  # else P frees the blocks at lease expiry
-            if peer is not None:
-                self._lease(peer, job, "fail")
-
-    def _renew_loop(self) -> None:
-        """Every second, renew the leases of loads waiting in the queue or in a handshake
-        (a first NIXL connection has been seen to take 31 s here): through the peer's
-        channel once it is known, else through a short-timeout channel to the handle's
-        endpoint (kept for the few endpoints seen last)."""
-        clients: dict[str, Client] = {}
-        waiting = (LoadState.QUEUED, LoadState.HANDSHAKE)
-        while not self._stop.wait(1.0):
-            with self._lock:
-                jobs = [j for j in self._loads.values() if j.state in waiting]
-            for job in jobs:
-                peer: Peer | Client | None = self.peers.known(job.handle)
-                if peer is None:
-                    peer = clients.pop(job.handle.endpoint, None) or Client(
-                        job.handle.endpoint, self.secret, min(self.timeout_s, 1.0), self.peers.keys
-                    )
-                    clients[job.handle.endpoint] = peer  # most recent last
-                with contextlib.suppress(KVBridgeError):  # the load itself will find out
-                    self._lease(peer, job, "renew")
-            while len(clients) > 16:
-                clients.pop(next(iter(clients))).close()
-        for c in clients.values():
-            c.close()
+    def _waiting(self) -> list[_Load]:
+        """Loads whose lease the renewer keeps: in the queue or in a handshake, before
+        their ``begin`` may be out (a token-less renew of a rank that began is refused)."""
+        with self._lock:
+            return [j for j in self._loads.values() if j.state in _WAITING and j.peer is None]
 
     def close(self) -> None:
         self._stop.set()

@@ -47,6 +47,29 @@ class Span:
         top = int((addrs + sizes).max())
         first = regions[int(order[int(np.argmin(addrs))])]
         self.tensor = byte_tensor(Region(origin, top - origin, first.kind, first.device))
+        self.bases = tuple(r.addr - origin for r in regions)
+        """Each region's offset in :attr:`tensor`, in the order given: a plan made over
+        these bases (:meth:`KernelMover.geometry`) addresses the tensor directly."""
+
+    def check(
+        self, off: np.ndarray, length: np.ndarray, what: str, lengths: tuple[int, int]
+    ) -> None:
+        """Runs of a plan made over :attr:`bases` (tensor offsets; ``lengths``: the
+        shortest and longest of ``length``): a run outside the tensor is a
+        :class:`TransportError` before any byte moves. That each lies in one region follows
+        from how the plan is made (ids range-checked, region sizes checked at the
+        handshake); this bounds the copy whatever the plan says, in two reductions."""
+        if not off.shape[0]:
+            return
+        top = self.tensor.shape[0]
+        if int(off.min()) < 0 or lengths[0] <= 0 or int(off.max()) + lengths[1] > top:
+            bad = np.flatnonzero((off < 0) | (length <= 0) | (off + length > top))
+            if bad.shape[0]:  # else the quick bound was only loose
+                i = int(bad[0])
+                raise TransportError(
+                    f"{what} run {i} [{int(off[i])}, +{int(length[i])}) lies outside "
+                    f"its memory ({top} bytes)"
+                )
 
     def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
         """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not

@@ -107,7 +107,7 @@ def _write(
     notif = f"kvb-probe:{secrets.token_hex(8)}".encode()
     t0 = time.perf_counter()
     reply = peer.rank_client(src).call(
-        PushRuns("probe:" + notif.decode(), agent_md, remote, local, n, notif)
+        PushRuns("probe:" + notif.decode(), agent_md, remote, local, n, notif, nonce=notif.decode())
     )
     if not isinstance(reply, PushReply):
         raise PeerError(f"probe: unexpected reply {type(reply).__name__}")

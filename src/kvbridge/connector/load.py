@@ -95,6 +95,15 @@ class _Load:
     pushed: list[int] = field(default_factory=list)
     """P ranks asked to write (push): each must say its writes ended before a failure
     is reported."""
+    token: str = ""
+    """The lease token P's ``begin`` reply gave (confirm and fail carry it)."""
+    refused: bool = False
+    """P answered ``begin`` refused or foreign: nothing of the lease is this rank's."""
+    nonce: str = ""
+    """Push: issued by D for this load; retired when it ends."""
+    no_kernel: str | None = None
+    """Why the kernel mover does not serve this load ("": it does, and the plan is in
+    its offsets); set when the load is planned."""
 
     def move(self, to: LoadState) -> None:
         assert to in TRANSITIONS[self.state], (self.state, to)
@@ -107,10 +116,14 @@ class _Load:
         self.mark = now
 
 
-def lease_op(h: TransferHandle, op: LeaseOpName, engine_id: str, rank: int, world: int) -> LeaseOp:
-    """D rank ``rank``'s lease message ``op`` about ``h``'s request."""
+def lease_op(
+    h: TransferHandle, op: LeaseOpName, who: tuple[str, str, int, int], token: str = ""
+) -> LeaseOp:
+    """Lease message ``op`` about ``h``'s request from D rank ``who`` = (engine id,
+    epoch, rank, world), with the token of its ``begin`` reply ("" before it began)."""
     digest = tables_digest(h.block_tables, h.n_tokens)
-    return LeaseOp(op, h.request_id, h.lease_id, digest, engine_id, rank, world)
+    engine, epoch, rank, world = who
+    return LeaseOp(op, h.request_id, h.lease_id, digest, engine, rank, world, epoch, token)
 
 
 def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseReply:
@@ -123,6 +136,8 @@ def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseRe
         raise PeerError(
             f"P refused {op} of {h.request_id!r} from this D rank (it began or reported already)"
         )
+    if reply.state == "foreign":
+        raise PeerError(f"P refused {op} of {h.request_id!r}: {reply.reason} (not this D's lease)")
     if reply.state != "held":
         raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
     return reply

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.spans import Regions, regions_of
@@ -43,6 +45,7 @@ class Peer:
     timeout_s: float = 5.0
     clients: dict[int, Client] = field(default_factory=dict)
     probe_addrs: dict[int, int] = field(default_factory=dict)
+    """Per P rank, one address in its registered memory (a liveness probe reads 1 B)."""
     keys: Keys | None = None
     """CURVE keys of the side channels (None: derived from ``secret``)."""
     regions: dict[int, Regions] = field(default_factory=dict)
@@ -51,7 +54,9 @@ class Peer:
     """Loads using this peer now (:meth:`PeerCache.get` … :meth:`PeerCache.done`)."""
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     """What each P rank said at the handshake (memory kind, node, shares)."""
-    """Per P rank, one address in its registered memory (a liveness probe reads 1 B)."""
+    remake: Callable[[dict[int, tuple[int, ...]], tuple[int, ...]], Geometry] | None = None
+    """The pair's geometry over other region bases (per P rank, and D's): the kernel
+    mover plans in offsets of the memory it mapped."""
 
     def rank_client(self, rank: int) -> Client:
         """Side channel of one P rank (push requests)."""
@@ -176,7 +181,8 @@ class PeerCache:
 
     def _handshake(self, handle: TransferHandle) -> Peer:
         t0 = time.perf_counter()
-        client = Client(handle.endpoint, self.secret, self.timeout_s, self.keys)
+        eid = handle.engine_id  # per-instance keys: P must hold the key bound to it
+        client = Client(handle.endpoint, self.secret, self.timeout_s, self.keys, eid)
         try:
             reply = self._ask(client, handle)
             return self._connect(handle, client, reply, t0)
@@ -248,13 +254,26 @@ class PeerCache:
             self.secret,
             self.timeout_s,
             probe_addrs={i.rank: i.bases[0] for i in reply.ranks if i.bases},
-            keys=self.keys,
+            keys=self.keys.toward(reply.engine_id) if self.keys else None,
             regions={
                 i.rank: regions_of(i.bases, lay.regions)
                 for i, lay in zip(reply.ranks, layouts, strict=True)
             },
             ranks={i.rank: i for i in reply.ranks},
+            remake=partial(self._remake, spec_p, p_par, p_bound),
         )
+
+    def _remake(
+        self,
+        spec_p: ModelSpec,
+        p_par: Parallel,
+        p_bound: list[Bound],
+        p_bases: dict[int, tuple[int, ...]],
+        d_bases: tuple[int, ...],
+    ) -> Geometry:
+        p_b = [Bound(b.layout, p_bases.get(r, b.bases)) for r, b in enumerate(p_bound)]
+        d_b = Bound(self.bound.layout, d_bases)
+        return Geometry(spec_p, self.spec, p_par, self.par, p_b, d_b, self.rank, self.pad_blocks)
 
     def _forget(self, peer: Peer) -> None:
         """Drop ``peer``'s channels and its transport peers, except names a cached peer

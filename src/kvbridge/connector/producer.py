@@ -14,9 +14,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvbridge.connector.handle import TransferHandle, checked_tables
+from kvbridge.connector.handle import Tokens, TransferHandle, checked_tables, prompt_digest
 from kvbridge.connector.ordering import Event, wait_written
 from kvbridge.connector.push_gather import PushGather
+from kvbridge.connector.push_ledger import PushLedger
 from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
 from kvbridge.control.messages import (
@@ -27,6 +28,7 @@ from kvbridge.control.messages import (
     LeaseOp,
     Message,
     PushFence,
+    PushRefused,
     PushReply,
     PushRuns,
     RankInfo,
@@ -51,6 +53,8 @@ class ProducerWorker:
     write still running at its deadline is kept (not released: that would not cancel
     it) until D asks :class:`PushFence`; the answer says whether it ended, and the rank
     refuses any later push of a fenced request (D fences before it reports a failure).
+    Each load's pushes are written at most once (:mod:`kvbridge.connector.push_ledger`):
+    a replay gets :class:`PushRefused`.
 
     A staged push (``PushRuns.staged``) is gathered into one of ``push_slots`` staging
     slots of ``push_slot_bytes`` (registered here; 0 slots: none) and written as a few
@@ -88,6 +92,8 @@ class ProducerWorker:
         self._peers: dict[bytes, str] = {}
         self._running: dict[str, list[XferHandle]] = {}
         self._fenced: OrderedDict[str, None] = OrderedDict()
+        self.ledger = PushLedger()
+        """Each load's pushes written once; refusals by cause (``connector/push_ledger.py``)."""
         self._slots: dict[XferHandle, int] = {}
         """The staging slot each kept write reads from."""
         regions = regions_at(bases, layout.regions, memory, device)
@@ -114,6 +120,7 @@ class ProducerWorker:
         if not isinstance(msg, PushRuns):
             raise PeerError(f"P rank {self.rank} serves push requests, not {type(msg).__name__}")
         if msg.request_id in self._fenced:
+            self.ledger.refused["fenced"] += 1
             raise PeerError(f"push of {msg.request_id!r} refused: D fenced it after a failure")
         if any(len(b) % 8 for b in (msg.src, msg.dst, msg.nbytes)):
             sizes = [len(b) for b in (msg.src, msg.dst, msg.nbytes)]
@@ -121,6 +128,9 @@ class ProducerWorker:
         src, dst, n = (np.frombuffer(b, dtype="<u8") for b in (msg.src, msg.dst, msg.nbytes))
         if not src.shape == dst.shape == n.shape:
             raise PeerError(f"push arrays differ in length: {src.shape} {dst.shape} {n.shape}")
+        why = self.ledger.admit(msg)
+        if why:
+            return PushRefused(msg.request_id, why)
         peer = self._peers.get(msg.d_agent)
         if peer is None:
             peer = self._peers[msg.d_agent] = self.transport.add_peer(msg.d_agent)
@@ -169,6 +179,7 @@ class ProducerWorker:
 
     def _fence(self, request_id: str) -> FenceReply:
         self._fenced[request_id] = None
+        self.ledger.fence(request_id)
         while len(self._fenced) > self.FENCED_KEPT:
             self._fenced.popitem(last=False)
         left = [h for h in self._running.pop(request_id, []) if not self._ended(h)]
@@ -225,11 +236,19 @@ class Producer:
         self.ranks[info.rank] = info
 
     def prefill_done(
-        self, request_id: str, block_tables: list[list[int]], n_tokens: int, payload: bytes = b""
+        self,
+        request_id: str,
+        block_tables: list[list[int]],
+        n_tokens: int,
+        payload: bytes = b"",
+        prompt: Tokens | None = None,
     ) -> TransferHandle:
-        """Hold ``block_tables`` under a lease; the handle goes to the router."""
+        """Hold ``block_tables`` under a lease; the handle goes to the router. ``prompt``:
+        the token ids prefilled (their first ``n_tokens`` name the handle's prompt, which
+        D checks before it loads; None: the handle names none)."""
         limits = self.ranks[0].num_blocks if 0 in self.ranks else [1 << 63] * len(self.spec.groups)
         tables = checked_tables(block_tables, limits, "P's block tables")
+        said = b"" if prompt is None else prompt_digest(prompt, n_tokens)
         lease_id = secrets.token_hex(8)
         digest = tables_digest(tables, n_tokens)
         self.leases.grant(request_id, lease_id, tables, digest)
@@ -242,6 +261,7 @@ class Producer:
             n_tokens,
             tables,
             payload,
+            said,
         )
 
     def abort(self, request_id: str) -> bool:

@@ -4,12 +4,20 @@ failure, whether those writes ended (the fence, :mod:`kvbridge.connector.fence`)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.connector.peers import Peer
 from kvbridge.control.channel import Client
-from kvbridge.control.messages import FenceReply, PushFence, PushReply, PushRuns
+from kvbridge.control.messages import (
+    FenceReply,
+    Message,
+    PushFence,
+    PushRefused,
+    PushReply,
+    PushRuns,
+)
 from kvbridge.errors import KVBridgeError, PeerError, TransferFailed, TransportError
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState
@@ -26,25 +34,63 @@ class ProbeArea:
         self.region = Region(int(self.buf.ctypes.data), int(self.buf.nbytes))
 
 
+@dataclass(frozen=True, slots=True)
+class PushBind:
+    """What binds a load's pushes to its lease (:mod:`kvbridge.connector.push_ledger`):
+    the ``begin`` token, D's epoch and the nonce D issued for the load."""
+
+    token: str
+    epoch: str
+    nonce: str
+
+    def message(
+        self,
+        request_id: str,
+        agent: bytes,
+        arrays: list[bytes],
+        notif: bytes,
+        part: int = 0,
+        last: bool = True,
+        staged: bool = False,
+    ) -> PushRuns:
+        """The push of ``arrays`` (src, dst, nbytes: uint64 bytes), message ``part``."""
+        s, d, n = arrays
+        ids = (self.token, self.epoch, self.nonce)
+        return PushRuns(request_id, agent, s, d, n, notif, staged, *ids, part, last)
+
+
+def reply_runs(reply: Message, what: str) -> int:
+    """Descriptors a P rank's ``reply`` to a push says it posted; PeerError if it refused."""
+    if isinstance(reply, PushRefused):
+        raise PeerError(f"{what} of {reply.request_id!r} refused by P: {reply.reason}")
+    if not isinstance(reply, PushReply):
+        raise PeerError(f"{what}: unexpected reply {type(reply).__name__}")
+    return reply.runs
+
+
 def push_runs(
-    peer: Peer, request_id: str, runs: dict[int, Runs], rank: int, agent: bytes, pushed: list[int]
+    peer: Peer,
+    request_id: str,
+    runs: dict[int, Runs],
+    rank: int,
+    agent: bytes,
+    pushed: list[int],
+    bind: PushBind,
 ) -> tuple[set[bytes], int]:
-    """Send each source rank its runs; returns the notifications that will say they
-    landed and the descriptors the ranks posted. ``pushed`` gets each rank before it is
-    asked (it may write even if the call fails)."""
+    """Send each source rank its runs (one message, the last of the load to that rank);
+    returns the notifications that will say they landed and the descriptors the ranks
+    posted. ``pushed`` gets each rank before it is asked (it may write even if the call
+    fails)."""
     want = set()
-    posted = 0
+    total = 0
     for src, r in runs.items():
-        notif = f"kvb:{request_id}:{src}:{rank}".encode()
-        s, d, n = (a.astype("<u8").tobytes() for a in r.as_uint64())
+        notif = f"kvb:{request_id}:{bind.nonce}:{src}:{rank}".encode()
+        arrays = [a.astype("<u8").tobytes() for a in r.as_uint64()]
         client = peer.rank_client(src)  # a rank without a push channel: nothing sent
         pushed.append(src)
-        reply = client.call(PushRuns(request_id, agent, s, d, n, notif))
-        if not isinstance(reply, PushReply):
-            raise PeerError(f"push: unexpected reply {type(reply).__name__}")
+        total += reply_runs(client.call(bind.message(request_id, agent, arrays, notif)), "push")
         want.add(notif)
-        posted += reply.runs
-    return want, posted
+    return want, total
 
 
 def push_fence_checks(

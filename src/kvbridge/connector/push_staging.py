@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.connector.peers import Peer
+from kvbridge.connector.push import PushBind, reply_runs
 from kvbridge.connector.staging import Chunk, Stager
-from kvbridge.control.messages import PushReply, PushRuns
-from kvbridge.errors import PeerError
 from kvbridge.plan.runs import Runs
 
 
@@ -85,9 +84,12 @@ class StagedPusher:
         rank: int,
         agent: bytes,
         await_notifs: Callable[[set[bytes]], None],
+        bind: PushBind,
     ):
+        """``bind``: the load's lease token, D epoch and nonce (each round is one part)."""
         self.stager, self.peer, self.request_id = stager, peer, request_id
         self.rank, self.agent, self.await_notifs = rank, agent, await_notifs
+        self.bind = bind
 
     def run(self, plan: StagedPush, pushed: list[int]) -> tuple[int, int]:
         """``(descriptors P posted, runs moved)``. ``pushed`` gets each P rank before
@@ -99,8 +101,9 @@ class StagedPusher:
             want = set()
             for src in sorted({p.src for p in parts}):
                 mine = [p for p in parts if p.src == src]
-                notif = f"kvb:{self.request_id}:{src}:{self.rank}:s{k}".encode()
-                posted += self._ask(src, mine, base, notif, pushed)
+                notif = f"kvb:{self.request_id}:{self.bind.nonce}:{src}:{self.rank}:s{k}".encode()
+                last = not any(p.src == src for later in plan.rounds[k + 1 :] for p in later)
+                posted += self._ask(src, mine, base, notif, pushed, (k, last))
                 want.add(notif)
             self.await_notifs(want)
             for p in parts:  # every write of the round landed: scatter it
@@ -109,15 +112,23 @@ class StagedPusher:
                 moved += c.run_len.shape[0]
         return posted, moved
 
-    def _ask(self, src: int, parts: list[Part], base: int, notif: bytes, pushed: list[int]) -> int:
+    def _ask(
+        self,
+        src: int,
+        parts: list[Part],
+        base: int,
+        notif: bytes,
+        pushed: list[int],
+        part: tuple[int, bool],
+    ) -> int:
+        """Ask P rank ``src`` to write ``parts``: message ``part`` = (round, the last to
+        that rank) of the load."""
         s = np.concatenate([p.chunk.span_src for p in parts])
         d = np.concatenate([p.chunk.span_stage + (base + p.offset) for p in parts])
         n = np.concatenate([p.chunk.span_len for p in parts])
-        s_b, d_b, n_b = (a.astype("<u8").tobytes() for a in (s, d, n))
-        msg = PushRuns(self.request_id, self.agent, s_b, d_b, n_b, notif, staged=True)
+        arrays = [a.astype("<u8").tobytes() for a in (s, d, n)]
+        k, last = part
+        msg = self.bind.message(self.request_id, self.agent, arrays, notif, k, last, staged=True)
         client = self.peer.rank_client(src)  # a rank without a push channel: nothing sent
         pushed.append(src)
-        reply = client.call(msg)
-        if not isinstance(reply, PushReply):
-            raise PeerError(f"staged push: unexpected reply {type(reply).__name__}")
-        return reply.runs
+        return reply_runs(client.call(msg), "staged push")

@@ -45,12 +45,13 @@ class Server:
     ):
         self.handler = handler
         self.secret = secret
+        self.keys = keys or Keys.from_secret(secret)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._auth: Any = None
         try:
-            self._auth = secure_server(self._ctx, self._sock, keys or Keys.from_secret(secret))
+            self._auth = secure_server(self._ctx, self._sock, self.keys)
             self.endpoint = self._bind(host, port, advertise)
         except BaseException as e:
             self._sock.close(0)
@@ -83,9 +84,11 @@ class Server:
         while not self._stop.is_set():
             if not poller.poll(50):
                 continue
-            parts = self._sock.recv_multipart()
+            frames = self._sock.recv_multipart(copy=False)
+            user = str(frames[-1].get("User-Id"))  # the client's key, as ZAP accepted it
+            parts = [f.bytes for f in frames]
             if len(parts) == 3 and parts[1] == b"":
-                reply = self._answer(parts[2])
+                reply = self._answer(parts[2], user)
             else:  # not a REQ envelope: answered on the route it came by, if any
                 n = [len(p) for p in parts[1:]]
                 reply = ErrorReply("PeerError", f"malformed envelope: {len(parts) - 1} parts {n}")
@@ -93,9 +96,12 @@ class Server:
                 self._sock.send_multipart([parts[0], b"", seal(reply, self.secret)])
         self._sock.close(0)
 
-    def _answer(self, frame: bytes) -> Message:
+    def _answer(self, frame: bytes, user: str) -> Message:
+        """The handler's reply to ``frame``, sent by the client key ``user`` (Z85)."""
         try:
-            return self.handler(unseal(frame, self.secret))
+            msg = unseal(frame, self.secret)
+            self.keys.check_claim(getattr(msg, "d_engine", None), user)  # any claim field
+            return self.handler(msg)
         except KVBridgeError as e:
             return ErrorReply(type(e).__name__, str(e))
         except Exception as e:  # a handler bug must not take the channel down
@@ -145,11 +151,20 @@ class Client:
     down, the loads queued for it fail within one timeout, not one each."""
 
     def __init__(
-        self, endpoint: str, secret: bytes, timeout_s: float = 5.0, keys: Keys | None = None
+        self,
+        endpoint: str,
+        secret: bytes,
+        timeout_s: float = 5.0,
+        keys: Keys | None = None,
+        server: str = "",
     ):
+        """``server``: the engine id of the instance serving ``endpoint``; with
+        per-instance keys, the CURVE server key is the one bound to it
+        (:meth:`Keys.toward`; a server holding another key gets no session)."""
         self.endpoint = endpoint
         self.secret = secret
         self.keys = keys or Keys.from_secret(secret)
+        self.server = server
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._lock = threading.Lock()
@@ -165,7 +180,7 @@ class Client:
             s = self._ctx.socket(zmq.REQ)
             try:
                 s.setsockopt(zmq.LINGER, 0)
-                secure_client(s, self.keys)
+                secure_client(s, self.keys.toward(self.server) if self.server else self.keys)
                 s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
                 s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
                 s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)

@@ -18,15 +18,38 @@ held for as long as the ``begin`` reply said, without asking again after its las
 landed (:class:`kvbridge.connector.consumer.Consumer` does, within half that time); so a
 rank that reported may not ``begin`` again. While an abort waits, ``begin`` and ``renew``
 are answered ``expired``.
+
+A lease belongs to the D ranks that began it. The first accepted ``begin`` fixes the D
+engine id (and D world) of the lease; each rank's ``begin`` binds that rank to
+(engine id, epoch, rank) and is answered with a random token, which that rank's
+``confirm``, ``fail`` and ``renew`` must carry. A ``begin`` from another engine id, or for
+a rank already begun under another epoch (a duplicated handle at a second D), and any op
+with an unknown token, another identity's token or no token for a rank that began, is
+answered ``foreign`` (``reason``), changes nothing and is counted in
+:attr:`LeaseTable.refused`. An op without a token is accepted only for a rank that has
+not begun (a ``renew`` while queued, a ``confirm`` of a rank that needs no bytes, a
+``fail`` of a load refused before it began): it can mark that rank reported, so that rank
+can no longer ``begin``, but it never frees blocks a rank that began is reading.
+
+So before its deadline P frees a request's blocks only once every rank that began has
+reported with its own token, and nobody else can end that rank's lease early: this is
+what keeps the consumer's lease-time shortcut (a load whose last byte landed within half
+the granted time is done without asking P again) sound. The engine id and epoch are
+claimed, not proven (any holder of the shared secret may send any): the token, sent
+only to the rank that began, is the proof.
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
+import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvbridge.control.messages import LeaseOp, LeaseReply
 
@@ -51,6 +74,28 @@ TRANSITIONS: dict[tuple[LeaseState, Event], LeaseState] = {
 }
 
 
+REFUSALS: dict[str, Literal["refused", "foreign"]] = {
+    "begun twice": "refused",  # a second begin from the same rank
+    "reported": "refused",  # a begin from a rank that reported
+    "other engine": "foreign",  # the lease was begun by another D engine id
+    "other epoch": "foreign",  # this rank began under another D epoch
+    "other world": "foreign",  # a D world other than the one that began
+    "token required": "foreign",  # no token for a rank that began
+    "unknown token": "foreign",
+    "other identity": "foreign",  # another rank's token, or from another engine / epoch
+}
+"""Why an op is refused → the reply's state."""
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The D rank that began a lease, and the token its later ops carry."""
+
+    engine: str
+    epoch: str
+    token: str
+
+
 @dataclass(slots=True)
 class Lease:
     request_id: str
@@ -60,10 +105,17 @@ class Lease:
     deadline: float
     state: LeaseState = LeaseState.HELD
     reported: set[int] = field(default_factory=set)
-    begun: set[int] = field(default_factory=set)
+    owners: dict[int, Owner] = field(default_factory=dict)
+    """The D ranks that began, by rank."""
+    d_world: int = 0
+    """The D world of the first ``begin`` (0: none yet)."""
     granted: float = 0.0
     aborting: bool = False
     """Aborted while a D rank that began had not reported: freed once they have."""
+
+    @property
+    def begun(self) -> set[int]:
+        return set(self.owners)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +144,8 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._held: dict[str, Lease] = {}
         self._freed: list[Freed] = []
+        self.refused: Counter[str] = Counter()
+        """Ops refused, by cause (a :data:`REFUSALS` key)."""
 
     def grant(self, request_id: str, lease_id: str, tables: list[list[int]], digest: str) -> Lease:
         with self._lock:
@@ -108,28 +162,38 @@ class LeaseTable:
             lease = self._held.get(op.request_id)
             if lease is None or lease.lease_id != op.lease_id:
                 return LeaseReply("expired")
-            if op.tables_digest != lease.digest:
+            if op.tables_digest != lease.digest or op.d_rank not in range(op.d_world):
                 return LeaseReply("mismatch")
-            if op.d_rank not in range(op.d_world):
-                return LeaseReply("mismatch")
-            if op.op == "begin" and op.d_rank in lease.begun | lease.reported:
-                return LeaseReply("refused")  # a rank that reported may not read again
+            why = refusal(lease, op)
+            if why:
+                self.refused[why] += 1
+                return LeaseReply(REFUSALS[why], reason=why)
             if lease.aborting and op.op in ("begin", "renew"):
                 return LeaseReply("expired")
-            if op.op in ("begin", "renew"):
-                if op.op == "begin":
-                    lease.begun.add(op.d_rank)
-                until = min(self.clock() + self.lease_s, lease.granted + self.max_hold_s)
-                lease.deadline = max(lease.deadline, until)
-            else:  # confirm / fail: this D rank is finished with the blocks
-                lease.reported.add(op.d_rank)
-                left = max(lease.deadline - self.clock(), 0.0)
-                if lease.aborting and lease.begun <= lease.reported:
-                    self._move(lease, Event.ABORT)
-                elif len(lease.reported) >= op.d_world and lease.begun <= lease.reported:
-                    self._move(lease, Event.ALL_REPORTED)
-                return LeaseReply("held", left)
-            return LeaseReply("held", max(lease.deadline - self.clock(), 0.0))
+            if op.op == "begin":
+                token = secrets.token_hex(16)
+                lease.owners[op.d_rank] = Owner(op.d_engine, op.d_epoch, token)
+                lease.d_world = op.d_world
+                self._extend(lease)
+                return LeaseReply("held", self._left(lease), token=token)
+            if op.op == "renew":
+                self._extend(lease)
+                return LeaseReply("held", self._left(lease))
+            # confirm / fail: this D rank is finished with the blocks
+            lease.reported.add(op.d_rank)
+            left = self._left(lease)
+            if lease.aborting and lease.begun <= lease.reported:
+                self._move(lease, Event.ABORT)
+            elif len(lease.reported) >= op.d_world and lease.begun <= lease.reported:
+                self._move(lease, Event.ALL_REPORTED)
+            return LeaseReply("held", left)
+
+    def _extend(self, lease: Lease) -> None:
+        until = min(self.clock() + self.lease_s, lease.granted + self.max_hold_s)
+        lease.deadline = max(lease.deadline, until)
+
+    def _left(self, lease: Lease) -> float:
+        return max(lease.deadline - self.clock(), 0.0)
 
     def abort(self, request_id: str) -> bool:
         """End ``request_id``'s lease for P's own reasons; False if it holds none (or is
@@ -163,3 +227,24 @@ class LeaseTable:
         lease.state = TRANSITIONS[(lease.state, event)]
         del self._held[lease.request_id]
         self._freed.append(Freed(lease.request_id, lease.tables, lease.state))
+
+
+def refusal(lease: Lease, op: LeaseOp) -> str:
+    """Why ``op`` may not act on ``lease`` (a :data:`REFUSALS` key; "" when it may)."""
+    first = next(iter(lease.owners.values()), None)
+    if first is not None and op.d_engine != first.engine:
+        return "other engine"
+    if lease.d_world and op.d_world != lease.d_world:
+        return "other world"
+    mine = lease.owners.get(op.d_rank)
+    if op.op == "begin":
+        if mine is not None:
+            same = (mine.engine, mine.epoch) == (op.d_engine, op.d_epoch)
+            return "begun twice" if same else "other epoch"
+        return "reported" if op.d_rank in lease.reported else ""
+    if not op.token:
+        return "" if mine is None else "token required"
+    if mine is None or not hmac.compare_digest(mine.token, op.token):
+        known = any(hmac.compare_digest(o.token, op.token) for o in lease.owners.values())
+        return "other identity" if known else "unknown token"
+    return "" if (mine.engine, mine.epoch) == (op.d_engine, op.d_epoch) else "other identity"

@@ -18,8 +18,9 @@ from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout, View
 from kvbridge.transport.ipc import Share, node_id
 
-PROTOCOL_VERSION = 6
-"""6: a rank's memory kind and device (``RankInfo.memory``, ``RankInfo.device``)."""
+PROTOCOL_VERSION = 7
+"""7: leases owned by the D ranks that began them (``LeaseOp.token``, ``LeaseReply``
+``foreign``), pushes bound to one lease (``PushRuns.nonce``, :class:`PushRefused`)."""
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -108,7 +109,10 @@ LeaseOpName = Literal["begin", "renew", "confirm", "fail"]
 
 
 class LeaseOp(msgspec.Struct, tag="lease", frozen=True):
-    """D → P about one request. ``begin`` checks the handle's tables against P's."""
+    """D → P about one request. ``begin`` checks the handle's tables against P's and
+    binds the lease to (``d_engine``, ``d_epoch``, ``d_rank``); ``confirm``, ``fail`` and
+    ``renew`` of a rank that began carry the ``token`` its ``begin`` reply gave
+    (:mod:`kvbridge.control.lease`)."""
 
     op: LeaseOpName
     request_id: str
@@ -117,14 +121,24 @@ class LeaseOp(msgspec.Struct, tag="lease", frozen=True):
     d_engine: str
     d_rank: int
     d_world: int
+    d_epoch: str = ""
+    """Changes whenever the D rank restarts."""
+    token: str = ""
+    """The token of this rank's ``begin`` reply ("" before it began)."""
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply", frozen=True):
-    state: Literal["held", "expired", "mismatch", "refused"]
-    """``refused``: a second ``begin`` from the same D rank (a replay or a bug)."""
+    state: Literal["held", "expired", "mismatch", "refused", "foreign"]
+    """``refused``: a second ``begin`` from the same D rank, or one after it reported (a
+    replay or a bug); ``foreign``: the lease belongs to another D, or the token is not
+    the one P gave this rank (``reason`` says which). Neither changes anything."""
     remaining_s: float = 0.0
     """Seconds the lease has left when P answers (0 unless ``held``): a duration, since
     P's clock means nothing on D."""
+    token: str = ""
+    """``begin`` answered ``held``: the token this rank's later ops must carry."""
+    reason: str = ""
+    """``refused`` or ``foreign``: why (a :data:`kvbridge.control.lease.REFUSALS` key)."""
 
 
 class PushRuns(msgspec.Struct, tag="push", frozen=True):
@@ -143,11 +157,28 @@ class PushRuns(msgspec.Struct, tag="push", frozen=True):
     nbytes: bytes
     notif: bytes
     staged: bool = False
+    token: str = ""
+    """The lease token of the D rank's ``begin`` reply."""
+    d_epoch: str = ""
+    nonce: str = ""
+    """Issued by D for this load; the rank refuses it once retired (after ``last``)."""
+    part: int = 0
+    """Which message of the load this is (a staged push sends one per round)."""
+    last: bool = True
+    """The load's last message to this rank: its nonce is retired once accepted."""
 
 
 class PushReply(msgspec.Struct, tag="push_reply", frozen=True):
     runs: int
     """Descriptors the rank posted (fewer than the runs asked for if it gathered them)."""
+
+
+class PushRefused(msgspec.Struct, tag="push_refused", frozen=True):
+    """A P rank's answer to a push it did not write (nothing was posted)."""
+
+    request_id: str
+    reason: str
+    """``no nonce``, ``retired nonce``, ``unknown nonce`` or ``replayed``."""
 
 
 class PushFence(msgspec.Struct, tag="push_fence", frozen=True):
@@ -175,6 +206,7 @@ Message = (
     | LeaseReply
     | PushRuns
     | PushReply
+    | PushRefused
     | PushFence
     | FenceReply
     | ErrorReply
@@ -202,6 +234,8 @@ def unseal(frame: bytes, secret: bytes) -> Message:
         msg: Message = _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise PeerError(f"malformed message: {e}") from None
+    except RecursionError:  # msgspec skips an unknown field's value by recursing into it
+        raise PeerError("malformed message: nested too deeply") from None
     return msg
 
 

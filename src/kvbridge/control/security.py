@@ -8,13 +8,21 @@ before any frame is read, and no replay — a frame recorded from one session is
 rejected in that session (nonce) and in every other (different session keys), so a
 captured push, ``begin`` or handshake cannot be played back.
 
-Keys. By default both key pairs are derived from the deployment's shared secret
-(BLAKE2b with a label, as Curve25519 secret keys), so a deployment that already
-distributes one secret gets CURVE without new configuration, and the trust model is
-that of the secret: whoever holds it may connect, nobody else can even complete a
-session. Deployments that want per-instance keys give :class:`Keys` explicitly: the
-server's key pair, a client key pair, and the allow-list of client public keys the
-server accepts (checked by a ZAP handler before the session opens).
+Keys, three modes (``docs/security.md``):
+
+- **shared secret** (default): both key pairs derived from the deployment's secret
+  (BLAKE2b with a label, as Curve25519 secret keys). Whoever holds the secret may
+  connect, and may act as any instance: engine ids are not bound to anything.
+- **explicit keys** (:meth:`Keys.load` of ``server_*``/``client_*``/``allowed``): a
+  server key pair, a client key pair and the allow-list of client public keys the
+  server accepts (a ZAP handler checks it before the session opens). Keys are not
+  bound to engine ids either.
+- **per-instance identity** (:meth:`Keys.load` of ``engine_id``/``public``/``secret``/
+  ``peers``; :meth:`Keys.new_identity` makes one): each instance has its own key pair and
+  lists its peers' public keys by engine id. P accepts only listed D keys, and a frame
+  claiming engine id X (``d_engine``) must come over a session of the key bound to X
+  (:meth:`Keys.check_claim`); D connects to P engine X only if P holds the key D binds
+  to X (:meth:`Keys.toward`).
 
 The HMAC tag on each frame stays (a second check, and the typed "authentication
 failed" reply when a peer speaks CURVE with the right keys but signs with another
@@ -25,7 +33,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +42,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError, IdentityError, KVBridgeError
 
 
 def _key_pair(secret: bytes, label: bytes) -> tuple[bytes, bytes]:
@@ -53,6 +62,38 @@ class Keys:
     client_secret: bytes
     allowed: frozenset[bytes]
     """Client public keys a server accepts."""
+    engine_id: str = ""
+    """Per-instance identity: this instance's engine id ("" in the other modes)."""
+    peers: tuple[tuple[str, bytes], ...] = ()
+    """Per-instance identity: ``(engine id, public key)`` of every peer instance (P: the
+    D instances it serves; D: the P instances it loads from)."""
+
+    def toward(self, engine_id: str) -> Keys:
+        """The keys to connect to the server of instance ``engine_id``: with a
+        per-instance identity, the server key is the one bound to ``engine_id``
+        (:class:`IdentityError` if none is); otherwise these keys."""
+        if not self.engine_id:
+            return self
+        key = dict(self.peers).get(engine_id)
+        if key is None:
+            raise IdentityError(
+                f"no public key for instance {engine_id!r} among the peers of "
+                f"{self.engine_id!r}: it cannot be authenticated, so it is not contacted"
+            )
+        return replace(self, server_public=key, server_secret=b"")
+
+    def check_claim(self, claimed: str | None, user_id: str) -> None:
+        """With a per-instance identity, ``claimed`` (the engine id a frame names, None
+        if it names none) must be the one bound to the client key ``user_id`` (Z85 text,
+        as ZAP reports it); :class:`IdentityError` otherwise."""
+        if not self.engine_id or claimed is None:
+            return
+        bound = [eid for eid, key in self.peers if key == user_id.encode()]
+        if bound != [claimed]:
+            raise IdentityError(
+                f"frame claims engine id {claimed!r} but came over the session of the key "
+                f"bound to {bound[0] if bound else 'no instance'!r}"
+            )
 
     @staticmethod
     def from_secret(secret: bytes) -> Keys:
@@ -66,16 +107,16 @@ class Keys:
 
     @staticmethod
     def load(path: str | Path) -> Keys:
-        """Keys from a JSON file: ``server_public`` (every side), ``server_secret`` and
-        ``allowed`` (a list of client public keys; P), ``client_public`` and
-        ``client_secret`` (D). Z85 text as ``zmq.curve_keypair()`` makes it. A key a side
-        does not need may be left out; a malformed one is a :class:`ConfigError`."""
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"CURVE keys file {path}: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"CURVE keys file {path}: expected a JSON object")
+        """Keys from a JSON file, Z85 text as ``zmq.curve_keypair()`` makes it. Either a
+        per-instance identity: ``engine_id``, ``public``, ``secret`` and ``peers`` (an
+        object: engine id → public key), as :meth:`new_identity` and :meth:`add_peers`
+        write it; or explicit keys: ``server_public`` (every side), ``server_secret``
+        and ``allowed`` (a list of client public keys; P), ``client_public`` and
+        ``client_secret`` (D), where a key a side does not need may be left out. A
+        malformed file is a :class:`ConfigError` naming the field."""
+        raw = _read(path)
+        if "engine_id" in raw:
+            return _identity(path, raw)
         unknown = set(raw) - {*KEY_FIELDS, "allowed"}
         if unknown:
             raise ConfigError(f"CURVE keys file {path}: unknown keys {sorted(unknown)}")
@@ -85,10 +126,89 @@ class Keys:
             raise ConfigError(f"CURVE keys file {path}: allowed must be a list")
         if not vals["server_public"]:
             raise ConfigError(f"CURVE keys file {path}: server_public is required")
-        return Keys(**vals, allowed=frozenset(_z85(path, "allowed", k) for k in allowed))
+        spub, ssec, cpub, csec = (vals[k] for k in KEY_FIELDS)
+        return Keys(spub, ssec, cpub, csec, frozenset(_z85(path, "allowed", k) for k in allowed))
+
+    @staticmethod
+    def new_identity(path: str | Path, engine_id: str) -> Keys:
+        """Write a fresh identity for ``engine_id`` to ``path`` (mode 0600, no peers yet)
+        and return it; :class:`ConfigError` if ``path`` exists (it is never overwritten)."""
+        if not engine_id:
+            raise ConfigError("an identity needs a non-empty engine id")
+        pub, sec = zmq.curve_keypair()
+        body = {"engine_id": engine_id, "public": pub.decode(), "secret": sec.decode(), "peers": {}}
+        _write(Path(path), body, replace_file=False)
+        return Keys.load(path)
+
+    @staticmethod
+    def add_peers(path: str | Path, peers: dict[str, str]) -> Keys:
+        """Bind ``peers`` (engine id → public key, Z85 text) in the identity at ``path``
+        (an engine id already listed gets the new key); the file is replaced atomically."""
+        raw = _read(path)
+        if "engine_id" not in raw:
+            raise ConfigError(f"CURVE keys file {path}: not a per-instance identity")
+        _identity(path, raw)
+        raw["peers"] = {**raw["peers"], **peers}
+        _identity(path, raw)
+        _write(Path(path), raw, replace_file=True)
+        return Keys.load(path)
 
 
 KEY_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
+IDENTITY_FIELDS = ("engine_id", "public", "secret", "peers")
+
+
+def _read(path: str | Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"CURVE keys file {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"CURVE keys file {path}: expected a JSON object")
+    return raw
+
+
+def _identity(path: str | Path, raw: dict[str, Any]) -> Keys:
+    """A per-instance identity file, checked: the key pair matches, each peer key is
+    bound to one engine id."""
+    if set(raw) != set(IDENTITY_FIELDS):
+        raise ConfigError(
+            f"CURVE keys file {path}: an identity needs exactly {list(IDENTITY_FIELDS)}, "
+            f"got {sorted(raw)}"
+        )
+    eid, peers = raw["engine_id"], raw["peers"]
+    if not isinstance(eid, str) or not eid:
+        raise ConfigError(f"CURVE keys file {path}: engine_id must be a non-empty string")
+    if not isinstance(peers, dict):
+        raise ConfigError(f"CURVE keys file {path}: peers must be an object (engine id → key)")
+    pub, sec = _z85(path, "public", raw["public"]), _z85(path, "secret", raw["secret"])
+    if not pub or not sec or zmq.curve_public(sec) != pub:
+        raise ConfigError(f"CURVE keys file {path}: public is not the key of secret")
+    bound = tuple(sorted((str(e), _z85(path, f"peers.{e}", k)) for e, k in peers.items()))
+    keys = [k for _, k in bound]
+    if b"" in keys or len(set(keys)) != len(keys):
+        raise ConfigError(f"CURVE keys file {path}: each peer needs its own public key")
+    return Keys(pub, sec, pub, sec, frozenset(keys), eid, bound)
+
+
+def _write(path: Path, body: dict[str, Any], replace_file: bool) -> None:
+    """Write ``body`` beside ``path`` (0600) and move it there: readers never see half
+    a file, and without ``replace_file`` an existing file is kept (:class:`ConfigError`)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, indent=1)
+        if replace_file:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+    except FileExistsError:
+        raise ConfigError(f"CURVE keys file {path} exists; not overwritten") from None
+    except OSError as e:
+        raise ConfigError(f"CURVE keys file {path}: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _z85(path: str | Path, name: str, value: object) -> bytes:

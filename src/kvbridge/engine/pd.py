@@ -27,6 +27,7 @@ from kvbridge.api import (
     PeerError,
     Policy,
     Producer,
+    PromptMismatch,
     SideConfig,
     TransferHandle,
 )
@@ -116,7 +117,7 @@ class PrefillServer:
         pre = self.engine.prefill(req_id, prompt)
         tables = [list(t) for t in pre.tables]
         payload = _TOKEN.pack(pre.first_token)
-        return self._coordinator().prefill_done(req_id, tables, pre.n_tokens, payload)
+        return self._coordinator().prefill_done(req_id, tables, pre.n_tokens, payload, prompt)
 
     def release(self, req_id: str) -> None:
         """D is finished with ``req_id`` (or gave up): end its lease, free what P may."""
@@ -153,6 +154,7 @@ class DecodeServer:
         policy: Policy = Policy.RECOMPUTE,
     ) -> None:
         self.engine_id = f"D-{secrets.token_hex(4)}"
+        self.policy = policy
         self.await_s = transfer_timeout_s + HANDSHAKE_SLACK_S
         self.engine = _instance(side, model, self.await_s + 30.0)
         try:
@@ -175,7 +177,7 @@ class DecodeServer:
             )
         tables = self.engine.reserve(req_id, prompt, n_cached)
         try:
-            outcomes = self._load(req_id, handle, tables, n_cached)
+            outcomes = self._load(req_id, prompt, handle, tables, n_cached)
             moved = sum(o.bytes for o in outcomes), sum(o.descriptors for o in outcomes)
             seconds = max(o.seconds for o in outcomes)
             if all(o.ok for o in outcomes):
@@ -193,8 +195,20 @@ class DecodeServer:
         self.engine.close()
 
     def _load(
-        self, req_id: str, handle: bytes, tables: list[list[int]], n_cached: int
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        handle: bytes,
+        tables: list[list[int]],
+        n_cached: int,
     ) -> list[Outcome]:
+        """Every D rank's outcome; a handle of another prompt fails on every rank before
+        any is asked to load (nothing reaches P), and the policy decides as for any failure."""
+        try:
+            TransferHandle.from_bytes(handle).check_prompt(prompt)
+        except PromptMismatch as e:
+            failed = Outcome(req_id, False, action=self.policy, error=f"PromptMismatch: {e}")
+            return [failed] * self.engine.world
         frozen = tuple(tuple(t) for t in tables)
         self.engine.call_ranks(LoadKV(handle, frozen, n_cached))
         replies = self.engine.call_ranks(AwaitKV(req_id, self.await_s))

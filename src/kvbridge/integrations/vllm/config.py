@@ -12,8 +12,10 @@
                 outlive a first NIXL connection, seen to block for up to 31 s)
     timeout_s   D's deadline for one request's transfer and for each side-channel call
                 to P (handshake, lease, push; default 10)
-    keys_file   CURVE keys and allow-list (JSON, see :meth:`Keys.load`) instead of keys
-                derived from the secret
+    keys_file   CURVE keys instead of keys derived from the secret (JSON, see
+                :meth:`Keys.load`): a per-instance identity (``kvbridge keys``), created
+                for ``engine_id`` at first start if the file does not exist (it then
+                lists no peers: add them with ``kvbridge keys allow``), or explicit keys
     transport   registered transport name (default ``nixl``; see ``kvbridge.transport``)
     model_id    what this engine serves; P and D must agree (default: a fingerprint of
                 the model's config, see :func:`model_fingerprint`)
@@ -23,11 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.api import ConfigError, Keys, transport_names
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +110,27 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             f"kv_connector_extra_config transport={cfg.transport!r}; "
             f"known: {', '.join(transport_names())}"
         )
-    if cfg.keys_file:
-        Keys.load(cfg.keys_file)  # refuse a bad file at start-up, not at the first request
+    if cfg.keys_file:  # refuse a bad file at start-up, not at the first request
+        check_keys(cfg.keys_file, cfg.engine_id)
     return cfg
+
+
+def check_keys(path: str, engine_id: str) -> Keys:
+    """The keys at ``path``; a new identity for ``engine_id`` if there is no file (first
+    start); :class:`ConfigError` if the file's identity is another engine id's."""
+    if not os.path.exists(path):
+        try:
+            keys = Keys.new_identity(path, engine_id)
+            log.warning(
+                "kvbridge: new identity %s %s in %s", engine_id, keys.server_public.decode(), path
+            )
+        except ConfigError:
+            if not os.path.exists(path):  # not another process of this engine writing it
+                raise
+    keys = Keys.load(path)
+    if keys.engine_id and keys.engine_id != engine_id:
+        raise ConfigError(
+            f"keys_file {path} is the identity of {keys.engine_id!r}, this engine is "
+            f"{engine_id!r} (give kv_transfer_config.engine_id, or another file)"
+        )
+    return keys

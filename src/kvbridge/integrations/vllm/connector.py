@@ -55,7 +55,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._s().after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
-        return self._s().step_meta()
+        return self._s().step_meta(scheduler_output)
 
     def on_new_request(self, request: Any) -> None:
         self._s().on_new_request(request)
@@ -103,7 +103,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # P's cache is read in place by D
 
     def wait_for_save(self) -> None:
-        self._w().written()  # a finished request's handle leaves only after its KV writes
+        meta = self._get_connector_metadata()  # still bound: vLLM clears it after this
+        assert isinstance(meta, StepMeta)
+        self._w().written(meta)  # a finished request's handle leaves only after its KV writes
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recved, failed = self._w().results()

@@ -24,6 +24,9 @@ class LoadJob:
     handle: str
     tables: list[list[int]]
     cached: int
+    refused: str = ""
+    """Why the scheduler refused the handle (e.g. it holds another prompt's KV): the
+    load fails with this error, nothing is sent to P."""
 
 
 @dataclass
@@ -35,6 +38,10 @@ class StepMeta(KVConnectorMetadata):
     freed: list[tuple[str, str]] = field(default_factory=list)
     """``(P request id, how its lease ended: done, expired or aborted)``"""
     releases: list[str] = field(default_factory=list)
+    save: bool = True
+    """P: a request of this step leaves with a handle once it ends (prefill for remote
+    decode): the workers wait for the step's KV writes in ``wait_for_save``, and only
+    then."""
 
 
 @dataclass

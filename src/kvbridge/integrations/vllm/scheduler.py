@@ -43,6 +43,22 @@ def decode_handle(text: Any) -> TransferHandle:
     return TransferHandle.from_bytes(raw)
 
 
+def refusal(text: str, request: Any) -> str:
+    """Why D must not load the handle ``text`` for ``request``, "" if it may: the handle
+    holds the KV of other prompt tokens (:meth:`TransferHandle.check_prompt` against
+    vLLM's ``prompt_token_ids``; none for a prompt given as embeddings). A malformed
+    handle is left to the workers, which report it."""
+    try:
+        handle = decode_handle(text)
+    except KVBridgeError:
+        return ""
+    try:
+        handle.check_prompt(getattr(request, "prompt_token_ids", None))
+    except KVBridgeError as e:  # never raise into vLLM's scheduler
+        return str(e)
+    return ""
+
+
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, cache: VllmCache):
         self.cfg, self.cache = cfg, cache
@@ -50,6 +66,8 @@ class SchedulerSide:
         self._loads: list[LoadJob] = []
         self._releases: list[str] = []
         self._started: set[str] = set()
+        self._remote: set[str] = set()
+        """P: requests prefilled for remote decode, until they end."""
         self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
         """Per group: P's described blocks per vLLM block (from its ranks' layouts)."""
 
@@ -82,6 +100,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not (self.cfg.producer and params and params.get("do_remote_decode")):
             return
+        self._remote.add(request.request_id)
         if request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
             del request.prompt_token_ids[-1:]
             del request._all_token_ids[-1:]
@@ -92,6 +111,7 @@ class SchedulerSide:
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._started.discard(request.request_id)
+        self._remote.discard(request.request_id)
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode")) or self.producer is None:
             return False, None
@@ -101,7 +121,8 @@ class SchedulerSide:
             [list(map(int, b)) for b in block_ids], request.num_prompt_tokens
         )
         tables = kernel_tables(ids, self.splits)
-        handle = self.producer.prefill_done(request.request_id, tables, request.num_prompt_tokens)
+        n, prompt = request.num_prompt_tokens, getattr(request, "prompt_token_ids", None)
+        handle = self.producer.prefill_done(request.request_id, tables, n, prompt=prompt)
         return True, {HANDLE_KEY: encode_handle(handle)}
 
     # --- D ---------------------------------------------------------------------------
@@ -120,23 +141,35 @@ class SchedulerSide:
         text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
         if text is None or not self.cfg.consumer or request.request_id in self._started:
             return
+        refused = refusal(str(text), request)
         if num_external <= 0:
             # D's own cache holds the prompt: P may free the request's blocks now rather
-            # than at lease expiry
+            # than at lease expiry (not another prompt's: that would end its lease)
             self._started.add(request.request_id)
-            self._releases.append(str(text))
+            if refused:
+                log.warning(
+                    "kvbridge: request %s keeps its handle: %s", request.request_id, refused
+                )
+            else:
+                self._releases.append(str(text))
             return
         n, _ = self.matched_tokens(request, 0)
         tables = self.cache.state_tables([list(map(int, g)) for g in blocks.get_block_ids()], n)
         self._started.add(request.request_id)
-        self._loads.append(LoadJob(request.request_id, str(text), tables, n - num_external))
+        self._loads.append(
+            LoadJob(request.request_id, str(text), tables, n - num_external, refused)
+        )
 
     # --- both ------------------------------------------------------------------------
-    def step_meta(self) -> StepMeta:
+    def step_meta(self, scheduled: Any = None) -> StepMeta:
+        """``scheduled``: vLLM's scheduler output for the step (its requests' ids are the
+        keys of ``num_scheduled_tokens``; None: assume a remote-decode request is in it)."""
         freed = (
             [(f.request_id, f.reason.value) for f in self.producer.freed()] if self.producer else []
         )
-        meta = StepMeta(self._loads, freed, self._releases)
+        ids = getattr(scheduled, "num_scheduled_tokens", None)
+        save = ids is None or any(r in self._remote for r in ids)
+        meta = StepMeta(self._loads, freed, self._releases, save)
         self._loads, self._releases = [], []
         return meta
 

@@ -20,6 +20,7 @@ from kvbridge.api import (
     KVBridgeError,
     Outcome,
     ProducerWorker,
+    PromptMismatch,
     Transport,
     make_transport,
 )
@@ -91,10 +92,11 @@ class WorkerSide:
                 device=placed.device,
             )
 
-    def written(self) -> None:
+    def written(self, meta: StepMeta) -> None:
         """P: return once this step's KV writes are complete (device memory: everything
-        queued on the current stream), so that no handle of the step leaves before them."""
-        if self.producer is not None:
+        queued on the current stream), so that no handle of the step leaves before them;
+        a step without a request prefilled for remote decode (``meta.save``) does not wait."""
+        if self.producer is not None and meta.save:
             self.producer.written()
 
     def handshake_meta(self) -> RankMeta | None:
@@ -118,6 +120,8 @@ class WorkerSide:
             try:
                 if self.consumer is None:
                     raise KVBridgeError("this engine is not a kv_consumer")
+                if job.refused:  # by the scheduler, which has the prompt: nothing reaches P
+                    raise PromptMismatch(job.refused)
                 handle = decode_handle(job.handle)
                 if handle.request_id in self._by_handle:
                     raise KVBridgeError(f"handle of P request {handle.request_id!r} is loading")

@@ -1,0 +1,111 @@
+"""A D rank's side of the lease protocol (:mod:`kvbridge.control.lease`): its identity
+(engine id, epoch, rank, world), the token each ``begin`` reply gives, and the calls
+that carry them (``confirm``, ``fail``, ``renew``; a token-less one only for a rank that
+never began)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+
+from kvbridge.connector.load import _Load, checked_reply, lease_op
+from kvbridge.connector.peers import Peer, PeerCache
+from kvbridge.control.channel import Client
+from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, Message
+from kvbridge.errors import KVBridgeError
+
+log = logging.getLogger(__name__)
+
+
+class LeaseCalls:
+    def __init__(
+        self,
+        engine_id: str,
+        rank: int,
+        world: int,
+        peers: PeerCache,
+        secret: bytes,
+        timeout_s: float,
+    ):
+        self.epoch = secrets.token_hex(8)
+        """Names this D rank's start at P (with the engine id and rank)."""
+        self.who = (engine_id, self.epoch, rank, world)
+        self.peers, self.secret, self.timeout_s = peers, secret, timeout_s
+
+    def op(self, job: _Load, op: LeaseOpName) -> LeaseOp:
+        return lease_op(job.handle, op, self.who, job.token)
+
+    def call(
+        self, peer: Peer | Client, job: _Load, op: LeaseOpName, since: float | None = None
+    ) -> LeaseReply:
+        client = peer if isinstance(peer, Client) else peer.client
+        return checked_reply(job.handle, op, client.call(self.op(job, op), since))
+
+    def begun(self, job: _Load, reply: Message) -> float:
+        """P's ``begin`` reply checked, its token kept for the rank's later ops → seconds
+        the lease has left."""
+        if isinstance(reply, LeaseReply):
+            job.token, job.refused = reply.token, reply.state in ("refused", "foreign")
+        return checked_reply(job.handle, "begin", reply).remaining_s
+
+    def release(self, job: _Load, op: LeaseOpName = "confirm") -> None:
+        """``op`` without a token: this rank needs no bytes (``confirm``) or refused the
+        load before it began (``fail``); P accepts it only while the rank has not begun."""
+        try:
+            peer = self.peers.get(job.handle)
+            try:
+                self.call(peer, job, op)
+            finally:
+                self.peers.done(peer)
+        except KVBridgeError as e:
+            log.warning("%s of %s at P failed: %s", op, job.handle.request_id, e)
+
+    def confirm_later(self, peer: Peer, job: _Load, since: float) -> None:
+        """``since``: its queue time (behind a call that timed out, it fails at once)."""
+        try:
+            self.call(peer, job, "confirm", since=since)
+        except KVBridgeError as e:  # P frees at lease expiry instead
+            log.warning("confirming %s at P failed: %s", job.handle.request_id, e)
+        finally:
+            self.peers.done(peer)
+
+    def report_failure(self, job: _Load) -> None:
+        """``fail`` with the ``begin`` token (none if P never answered it: then accepted
+        only if P saw no ``begin`` of this rank); nothing if P refused the ``begin``."""
+        peer = self.peers.known(job.handle)
+        with contextlib.suppress(KVBridgeError):  # else P frees the blocks at lease expiry
+            if peer is not None and not job.refused:
+                self.call(peer, job, "fail")
+
+    def start_renewing(
+        self, stop: threading.Event, waiting: Callable[[], list[_Load]]
+    ) -> threading.Thread:
+        """A daemon thread running :meth:`renew_loop`, started."""
+        thread = threading.Thread(target=self.renew_loop, args=(stop, waiting), daemon=True)
+        thread.start()
+        return thread
+
+    def renew_loop(self, stop: threading.Event, waiting: Callable[[], list[_Load]]) -> None:
+        """Every second until ``stop``, renew the leases of the ``waiting`` loads (in the
+        queue or in a handshake: a first NIXL connection has been seen to take 31 s here):
+        through the peer's channel once it is known, else through a short-timeout channel
+        to the handle's endpoint (kept for the few endpoints seen last)."""
+        clients: dict[str, Client] = {}
+        while not stop.wait(1.0):
+            for job in waiting():
+                peer: Peer | Client | None = self.peers.known(job.handle)
+                if peer is None:
+                    peer = clients.pop(job.handle.endpoint, None) or Client(
+                        job.handle.endpoint, self.secret, min(self.timeout_s, 1.0),
+                        self.peers.keys, job.handle.engine_id,
+                    )  # fmt: skip
+                    clients[job.handle.endpoint] = peer  # most recent last
+                with contextlib.suppress(KVBridgeError):  # the load itself will find out
+                    self.call(peer, job, "renew")
+            while len(clients) > 16:
+                clients.pop(next(iter(clients))).close()
+        for c in clients.values():
+            c.close()
