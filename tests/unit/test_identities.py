@@ -5,6 +5,7 @@ engine id a frame claims must be the one bound to the key of its session."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,19 +15,23 @@ import pytest
 from kvbridge.cli.main import main
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.load import Mode, Outcome
+from kvbridge.connector.producer import Producer
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import (
     PROTOCOL_VERSION,
+    FenceReply,
     Handshake,
     HandshakeReply,
     LeaseOp,
+    PushFence,
+    PushRuns,
     tables_digest,
 )
 from kvbridge.control.security import Keys
 from kvbridge.errors import ConfigError, PeerError
 from kvbridge.integrations.vllm.config import read_config
 from kvbridge.transport.loopback import LoopbackTransport
-from tests.unit.test_connector_loopback import SECRET, World, check_bytes
+from tests.unit.test_connector_loopback import SECRET, SPEC, World, check_bytes
 
 
 def new_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], engine_id: str) -> Path:
@@ -141,6 +146,74 @@ def test_a_listed_d_claiming_another_engine_id_is_refused(tmp_path, capsys):
         w.close()
 
 
+def test_a_listed_d_cannot_fence_or_push_for_another_ds_load(tmp_path, capsys):
+    """Push mode, M's key on P's list: a ``PushFence``/``PushRuns`` claiming "D" is
+    refused (IdentityError) at every P rank; M's fence under her own id acts on M's loads
+    only, so D's load of the same request is written and succeeds byte-exact."""
+    p, d, m = (new_key(tmp_path, capsys, e) for e in ("P", "D", "M"))
+    for x in (d, m):
+        allow(capsys, p, x)
+        allow(capsys, x, p)
+    w = World(p_keys=Keys.load(p), d_keys=Keys.load(d), mode=Mode.PUSH)
+    ranks = [Client(x.info.endpoint, SECRET, 2.0, Keys.load(m), server="P") for x in w.workers]
+    try:
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("k", 40)
+        made_up = PushRuns("k", b"x", b"", b"", b"", b"n", nonce="n1", d_engine="D")
+        for mallory in ranks:
+            for msg in (PushFence("k", "D"), made_up):
+                with pytest.raises(PeerError, match="IdentityError: frame claims engine id 'D'"):
+                    mallory.call(msg)
+            assert mallory.call(PushFence("k", "M")) == FenceReply("k", True)
+        w.consumers[0].load(handle, d_tabs)
+        (good,) = w.wait()
+        assert good.ok and good.mover == "push", good
+        check_bytes(w, before, 40, 0, d_tabs)
+        assert all(sum(x.ledger.refused.values()) == 0 for x in w.workers)
+    finally:
+        for c in ranks:
+            c.close()
+        w.close()
+
+
+def test_renews_use_the_key_of_the_engine_id_now_at_the_endpoint(tmp_path, capsys):
+    """P restarts at the same endpoint under another engine id (its own key): D's renews
+    of a load queued for the new P use the new P's key, so its lease (2 s) outlives a
+    3 s handshake; a channel kept for the old engine id would fail every renew."""
+    p, p2, d = (new_key(tmp_path, capsys, e) for e in ("P", "P2", "D"))
+    for x in (p, p2):
+        allow(capsys, x, d)
+        allow(capsys, d, x)
+    w = World(lease_s=2.0, p_keys=Keys.load(p), d_keys=Keys.load(d))
+    consumer, held = w.consumers[0], [1.5]
+    get = consumer.peers.get
+
+    def held_get(handle, since=None):  # type: ignore[no-untyped-def]
+        time.sleep(held[0])  # a slow handshake: the renewer keeps the lease meanwhile
+        return get(handle, since)
+
+    consumer.peers.get = held_get  # type: ignore[method-assign]
+    try:
+        handle, d_tabs = w.request("first", 40)  # renewed through a channel to "P"
+        consumer.load(handle, d_tabs)
+        assert w.wait()[0].ok
+        port = int(w.producer.endpoint.rsplit(":", 1)[1])
+        w.producer.close()
+        w.producer = Producer("P2", SPEC, w.p.par, SECRET, 2.0, port=port, keys=Keys.load(p2))
+        for x in w.workers:
+            w.producer.add_rank(x.info)
+        assert w.producer.endpoint.endswith(f":{port}")
+        held[0] = 3.0
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("second", 40)
+        consumer.load(handle, d_tabs)
+        (out,) = w.wait(timeout=15)
+        assert out.ok, out.error
+        check_bytes(w, before, 40, 0, d_tabs)
+    finally:
+        w.close()
+
+
 def test_d_contacts_only_a_p_holding_the_key_it_binds_to_that_engine_id(tmp_path, capsys):
     p, d, fake_p = (new_key(tmp_path, capsys, e) for e in ("P", "D", "P-elsewhere"))
     allow(capsys, p, d)
@@ -194,6 +267,29 @@ def test_bad_identity_files_are_refused_naming_the_problem(tmp_path, body, why):
     f.write_text(body)
     with pytest.raises(ConfigError, match=why):
         Keys.load(f)
+
+
+def test_a_key_file_is_never_written_through_a_planted_link(tmp_path, monkeypatch):
+    """The secret goes to a new file of a random name (created exclusively, links not
+    followed): a link planted at a name that could be guessed gets nothing."""
+    import kvbridge.control.security as security
+
+    target = tmp_path / "elsewhere"
+    target.write_text("mine")
+    path = tmp_path / "id.json"
+    (tmp_path / f".id.json.{os.getpid()}.tmp").symlink_to(target)  # a pid is guessable
+    first = Keys.new_identity(path, "D")
+    assert target.read_text() == "mine" and first.engine_id == "D"
+    monkeypatch.setattr(security.secrets, "token_hex", lambda n: "guessed")
+    for name in ("id.json", "id2.json"):  # both guessed: refused, nothing written
+        planted = tmp_path / f".{name}.guessed.tmp"
+        planted.symlink_to(target)
+    with pytest.raises(ConfigError, match=r"temporary file .* exists"):
+        Keys.add_peers(path, {"P": ONE_KEY})
+    with pytest.raises(ConfigError, match=r"temporary file .* exists"):
+        Keys.new_identity(tmp_path / "id2.json", "D")
+    assert target.read_text() == "mine" and planted.is_symlink()
+    assert Keys.load(path) == first and not (tmp_path / "id2.json").exists()
 
 
 def test_vllm_makes_the_key_file_at_first_start_bound_to_its_engine_id(tmp_path):

@@ -75,6 +75,59 @@ def test_shared_p_memory_moves_by_kernel_byte_exact(shm: ShmPool) -> None:
         w.close()
 
 
+def remap(mover, peer) -> None:
+    """What a load meeting another epoch of ``peer``'s P does to its mappings: retired
+    (unmapped once idle), so the next load maps P's memory again, elsewhere."""
+    from types import SimpleNamespace
+
+    real = mover._open
+
+    def refused(p, src):
+        raise TransportError("that epoch's memory is gone")
+
+    mover._open = refused
+    try:
+        for src in sorted(peer.geometry.links):
+            with pytest.raises(TransportError):
+                mover._acquire(SimpleNamespace(engine_id=peer.engine_id, epoch="old"), src)
+    finally:
+        mover._open = real
+
+
+def test_memory_mapped_again_gets_a_new_geometry_and_stale_offsets_copy_nothing(
+    shm: ShmPool,
+) -> None:
+    """A geometry over mapped memory holds for that mapping only: after P's memory was
+    mapped again (a load met another epoch of that P) the next load plans over the new
+    offsets, byte-exact; a plan over offsets that no longer hold is refused before any byte
+    moves."""
+    w = World(p_memory=shm)
+    try:
+        load_one(w)
+        c = w.consumers[0]
+        assert c.kernel is not None
+        handle, d_tabs = w.request("r2", 45)
+        peer = c.peers.get(handle)
+        before, why = c.kernel.geometry(peer)
+        assert before is not None and why == ""
+        assert c.kernel.geometry(peer)[0] is before  # kept while the mapping holds
+        holes = [mmap.mmap(-1, 4096 * (k + 1)) for k in range(8)]  # may land elsewhere
+        remap(c.kernel, peer)
+        plan = before.geometry.plan(handle.n_tokens, handle.block_tables, d_tabs, 0)
+        d_before = [b.copy() for b in w.d.bufs[0]]
+        with pytest.raises(TransportError, match="mapped again since this load was planned"):
+            c.kernel.move(peer, plan.runs, {src: (-1,) for src in plan.runs})
+        assert all(np.array_equal(a, b) for a, b in zip(d_before, w.d.bufs[0], strict=True))
+        after, why = c.kernel.geometry(peer)
+        assert after is not None and after is not before, why
+        c.peers.done(peer)
+        assert load_one(w, "r3", 70).mover == "kernel"  # byte-exact over the new mapping
+        for h in holes:
+            h.close()
+    finally:
+        w.close()
+
+
 def test_unshared_p_memory_is_pulled_and_the_outcome_says_why() -> None:
     w = World()  # numpy memory: anonymous, no share
     try:

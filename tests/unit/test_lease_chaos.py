@@ -75,6 +75,8 @@ class Chaos:
         self.ds = [DSide(k, fabric, self.rng) for k in range(len(ENGINES))]
         self.forger = Client(self.producer.endpoint, SECRET, 3.0)
         self.n = Counter[str]()
+        self.why = Counter[str]()
+        """Refusals P must have counted, by cause: forgeries and duplicates' ``begin``."""
 
     def reuse_freed(self) -> None:
         """P's engine takes freed blocks back at once and overwrites them."""
@@ -127,7 +129,7 @@ class Chaos:
         self.reuse_freed()
         for d in self.ds:
             d.consumer.transport.resume("p0")  # type: ignore[attr-defined]
-        self.check(loads)
+        self.check(loads, slow)
 
     def until_begun(self, rids: list[str]) -> None:
         end = time.monotonic() + 10
@@ -164,8 +166,12 @@ class Chaos:
         assert isinstance(reply, LeaseReply)
         self.n["forged ops"] += 1
         self.n[f"forged ops answered {reply.state}"] += 1
+        self.why[reply.reason] += 1
 
-    def check(self, loads: list[Load]) -> None:
+    def check(self, loads: list[Load], slow: bool) -> None:
+        """Every outcome in its bucket: a success (bytes right), a duplicate refused at
+        ``begin`` or begun after the lease ended (nothing moved), or, in a wave held past
+        the lease, the lease found expired at ``confirm``; anything else fails the test."""
         outs = {}
         end = time.monotonic() + 20
         while len(outs) < len(loads):
@@ -173,20 +179,30 @@ class Chaos:
             for t, d in enumerate(self.ds):
                 outs.update({(t, o.request_id): o for o in d.consumer.poll()})
             time.sleep(0.001)
-        ok_per_request = Counter[str]()
+        ok_per_request, copies = Counter[str](), Counter(ld.rid for ld in loads)
         for ld in loads:
             out, d = outs[(ld.d, ld.rid)], self.ds[ld.d]
             got = d.mem[ld.blocks]
             right, untouched = np.array_equal(got, ld.want), np.array_equal(got, ld.before)
+            refused = {
+                f"PeerError: P refused begin of {ld.rid!r}: {why} (not this D's lease)": why
+                for why in ("other engine", "other epoch")
+            }
+            late = f"LeaseExpired: lease of {ld.rid!r} expired at begin"
             if out.ok:
                 ok_per_request[ld.rid] += 1
                 self.n["successes"] += 1
                 self.n["false successes"] += not right
-            elif "not this D's lease" in out.error or "refused" in out.error:
-                self.n["duplicates refused at begin"] += 1
-            else:
+            elif copies[ld.rid] > 1 and (out.error in refused or out.error == late):
+                assert untouched, f"{ld.rid}: a refused duplicate wrote D's blocks"
+                self.n["duplicates refused at begin"] += out.error in refused
+                self.why[refused.get(out.error, "")] += out.error in refused
+                self.n["duplicates begun after the lease ended"] += out.error == late
+            elif slow and out.error == f"LeaseExpired: lease of {ld.rid!r} expired at confirm":
                 self.n["failures"] += 1
                 self.n["stale reads caught"] += not right and not untouched
+            else:
+                raise AssertionError(f"unexpected outcome of {ld.rid} (slow: {slow}): {out}")
             d.free += ld.blocks
         self.n["requests"] += len({ld.rid for ld in loads})
         assert max(ok_per_request.values(), default=0) <= 1
@@ -214,6 +230,12 @@ def test_no_false_success_under_duplicates_forgeries_and_reuse():
     assert n["requests"] >= 2000
     assert n["false successes"] == 0
     assert n["forged ops answered held"] == 0  # every forgery refused
+    refused, want = chaos.producer.leases.refused, chaos.why
+    for cause in refused | want:  # no false alarm: none but forgeries and duplicates
+        if cause in ("other engine", "other epoch"):  # a duplicate's renew while queued, too
+            assert refused[cause] >= want[cause], (cause, refused, want)
+        else:
+            assert refused[cause] == want[cause], (cause, refused, want)
     assert n["stale reads caught"] > 0  # the check sees reused bytes (waves past the lease)
     slow = WAVES // SLOW_EVERY * PER_WAVE
     assert n["successes"] >= n["requests"] - slow  # the legitimate loads carried on

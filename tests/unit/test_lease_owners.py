@@ -6,13 +6,16 @@ blocks the moment they are freed."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
+import pytest
 from msgspec.structs import replace
 
 from kvbridge.connector.consumer import Consumer, Mode
 from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.push_ledger import PushLedger
 from kvbridge.control.channel import Client
 from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import (
@@ -23,6 +26,7 @@ from kvbridge.control.messages import (
     PushRuns,
     tables_digest,
 )
+from kvbridge.errors import PlanError
 from kvbridge.testing.scenario import Side
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import SECRET, World, check_bytes
@@ -180,7 +184,8 @@ def test_a_part_is_written_once_per_load():
     w = World(mode=Mode.PUSH)
     try:
         ledger = w.workers[0].ledger
-        msg = PushRuns("r", b"", b"", b"", b"", b"n", False, "t", "e", "n1", 0, False)
+        msg = PushRuns("r", b"", b"", b"", b"", b"n", token="t", d_epoch="e", nonce="n1")
+        msg = replace(msg, last=False, d_engine="D")
         assert ledger.admit(msg) == ""
         assert ledger.admit(msg) == "replayed"
         assert ledger.admit(replace(msg, part=1, last=True)) == ""
@@ -193,16 +198,30 @@ def test_a_part_is_written_once_per_load():
         w.close()
 
 
+def test_a_push_or_fence_of_one_engine_never_acts_on_anothers_load():
+    """Another engine id (M) sending D's very ids (request, token, epoch, nonce, part)
+    binds, writes and retires a load of its own: D's load carries on."""
+    ledger = PushLedger()
+    d = PushRuns("r", b"", b"", b"", b"", b"n", token="t", d_epoch="e", nonce="n1", last=False)
+    d = replace(d, d_engine="D")
+    m = replace(d, d_engine="M", last=True)
+    assert ledger.admit(m) == ""  # M's load, its nonce retired
+    ledger.fence("r", "M")
+    assert ledger.admit(d) == ""
+    assert ledger.admit(m) == "retired nonce"
+    assert ledger.admit(replace(d, part=1, last=True)) == ""
+    assert ledger.admit(d) == "retired nonce"
+    assert ledger.refused == {"retired nonce": 2}
+
+
 def test_a_load_refused_before_it_began_tells_p_at_once():
     """Bad D block tables: the load is refused in ``load`` and P frees the blocks now
     (a ``fail`` without a token: accepted since no rank began), not at lease expiry."""
     w = World(lease_s=30.0)
     try:
         handle, d_tabs = w.request("bad", 45)
-        try:
+        with pytest.raises(PlanError, match="D's block tables"):
             w.consumers[0].load(handle, [[-1, *t[1:]] for t in d_tabs])
-        except Exception as e:
-            assert "D's block tables" in str(e)
         freed = w.producer.freed(wait_for=1, timeout_s=3.0)
         assert [(f.request_id, f.reason) for f in freed] == [("bad", LeaseState.DONE)]
     finally:
@@ -222,6 +241,48 @@ def test_a_tokenless_fail_cannot_end_a_lease_a_rank_began():
             check_bytes(w, before, 45, 0, d_tabs)
         assert freed == [] and out.ok, out
         assert (reply.state, reply.reason) == ("foreign", "token required")
+    finally:
+        w.close()
+
+
+def test_a_renew_in_flight_when_the_load_begins_is_no_false_refusal():
+    """The renewer checked a queued load (no peer yet) and is about to send its
+    token-less renew when a pool thread begins the load: the ``begin`` waits for that
+    renew, so P never sees a token-less renew after the ``begin`` (no refusal counted)."""
+    w = World(lease_s=30.0)
+    consumer = w.consumers[0]
+    renewing, began, renewed = threading.Event(), threading.Event(), threading.Event()
+    get, op, renew = consumer.peers.get, consumer.leases.op, consumer.leases.renew
+
+    def held_get(handle, since=None):  # type: ignore[no-untyped-def]
+        renewing.wait(5.0)  # the handshake starts once the renewer is at the load
+        return get(handle, since)
+
+    def traced(job, name):  # type: ignore[no-untyped-def]
+        if name == "begin":
+            began.set()
+        msg = op(job, name)
+        if name == "renew" and not renewing.is_set():
+            renewing.set()
+            began.wait(5.0)
+            time.sleep(0.2)  # the renewer descheduled between its check and its send
+        return msg
+
+    def renewed_once(peer, job):  # type: ignore[no-untyped-def]
+        renew(peer, job)
+        renewed.set()
+
+    consumer.peers.get = held_get  # type: ignore[method-assign]
+    consumer.leases.op = traced  # type: ignore[method-assign]
+    consumer.leases.renew = renewed_once  # type: ignore[method-assign]
+    try:
+        _, before, d_tabs = stalled_load(w, "race")  # P holds the lease meanwhile
+        assert renewed.wait(5.0)
+        _resume(w)
+        (out,) = _outcomes(consumer, timeout=10.0)
+        assert renewing.is_set() and out.ok, out
+        check_bytes(w, before, 45, 0, d_tabs)
+        assert w.producer.leases.refused == {}
     finally:
         w.close()
 

@@ -21,7 +21,8 @@ from kvbridge.connector.copies import LocalMemory, copy_equal
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.connector.push_gather import spans
 from kvbridge.control import messages
-from kvbridge.control.messages import PushRuns, seal, unseal
+from kvbridge.control.channel import Client
+from kvbridge.control.messages import PushRefused, PushRuns, seal, unseal
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
 from kvbridge.spec import Parallel
@@ -130,6 +131,32 @@ def test_rounds_when_the_request_exceeds_a_slot() -> None:
         assert all(o.ok and o.staged_runs > 300 for o in outs), outs
         assert all(o.descriptors >= 3 for o in outs), outs  # a span per round: 36 KB, 3 rounds
         check_bytes(w, before, N, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_a_staged_loads_nonce_is_retired_after_its_last_round() -> None:
+    """Each D rank's rounds carry one nonce, ``last`` only on its final round; replaying
+    that round (or an earlier one) once the load ended is refused as a retired nonce."""
+    w = HeadSplit(staging_bytes=32 << 10)
+    seen: list[PushRuns] = []
+    ledger = w.workers[0].ledger
+    admit = ledger.admit
+    ledger.admit = lambda m: seen.append(m) or admit(m)  # type: ignore[method-assign,func-returns-value]
+    try:
+        w.load("n")
+        assert all(o.ok and o.staged_runs > 300 for o in w.wait(2))
+        client = Client(w.workers[0].info.endpoint, SECRET, 3.0)
+        try:
+            for nonce in {m.nonce for m in seen}:
+                mine = [m for m in seen if m.nonce == nonce]
+                assert len(mine) >= 3 and all(m.staged for m in mine)
+                assert [m.last for m in mine] == [False] * (len(mine) - 1) + [True]
+                for replay in (mine[-1], mine[0]):
+                    assert client.call(replay) == PushRefused("n", "retired nonce")
+        finally:
+            client.close()
+        assert ledger.refused == {"retired nonce": 4}
     finally:
         w.close()
 

@@ -14,6 +14,8 @@ must have been announced as device memory.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -24,6 +26,7 @@ import pytest
 
 pytest.importorskip("vllm")
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.model_executor.layers.mamba import mamba_utils
@@ -38,11 +41,14 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvbridge.control.channel import Client
+from kvbridge.control.messages import LeaseOp, LeaseReply, PushRefused, PushRuns, tables_digest
 from kvbridge.integrations.vllm import worker as worker_module
 from kvbridge.integrations.vllm.cache import read_cache
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
-from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
+from kvbridge.integrations.vllm.metadata import HANDLE_KEY, StepMeta, decode_info
 from kvbridge.integrations.vllm.placement import place
+from kvbridge.integrations.vllm.scheduler import decode_handle
 from tests.unit.test_vllm_gpu_layout import HD, KINDS, NB, layer_of, storage, write, write_tokens
 
 HEADS = {"kv": 4, "diffkv": 4, "mla": 1, "MAMBA2": 2, "GDN_ATTN": 2}
@@ -347,3 +353,58 @@ def test_cpu_attn_keeps_the_cpu_description(monkeypatch: pytest.MonkeyPatch) -> 
     assert (on_gpu.memory.value, on_cpu.memory.value) == ("device", "host")
     assert on_gpu.layout.view(0, "k").pieces == ()
     assert on_cpu.layout.view(0, "k").pieces != ()
+
+
+def test_refusals_at_p_reach_the_metrics(
+    engines: list[Engine], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key holder's ``confirm`` with a token P never issued (twice) is answered foreign
+    and the legitimate load carries on; P's next step carries the refusals by cause (one
+    WARNING line), its rank 0 alone counts them, a push refused at rank 1 is counted by
+    that rank, and vLLM's Prometheus counter holds both by cause, once."""
+    engines.append(p := Engine("P", "kv_producer", "kv", ("SD", "BLNHC", 32, None, 2), monkeypatch))
+    engines.append(d := Engine("D", "kv_consumer", "kv", SIDES["kv"][1], monkeypatch))
+    params = prefill(p, 0, [3, 5], 45)
+    h = decode_handle(params[HANDLE_KEY])
+    assert p.sched.sched is not None and p.sched.sched.producer is not None
+    digest = tables_digest(h.block_tables, h.n_tokens)
+    op = LeaseOp("confirm", h.request_id, h.lease_id, digest, "D", 0, 2, "x", "bogus")
+    client = Client(p.sched.sched.producer.endpoint, b"s3cret", 3.0)
+    try:
+        replies = [client.call(op) for _ in range(2)]
+    finally:
+        client.close()
+    assert replies == [LeaseReply("foreign", reason="unknown token")] * 2
+    load(d, params, ([1, 4, 2],), 45, 0)
+    p1 = p.workers[1].worker
+    assert p1 is not None and p1.producer is not None
+    # vLLM's P ranks serve no push channel (no secret): the rank's handler takes it
+    pushed = p1.producer._handle(PushRuns(h.request_id, b"", b"", b"", b"", b""))
+    assert pushed == PushRefused(h.request_id, "no nonce")
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    metas = [p.sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})) for _ in "ab"]
+    assert isinstance(metas[0], StepMeta) and metas[0].refused == {"unknown token": 2}
+    assert isinstance(metas[1], StepMeta) and metas[1].refused == {}
+    assert sum("refused 2 lease op(s): unknown token" in r.message for r in caplog.records) == 1
+    stats = []
+    for w in p.workers:
+        for meta in metas:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(SimpleNamespace())
+            w.clear_connector_metadata()
+        stats.append(w.get_kv_connector_stats())
+    events = [{k: n for k, n in s.data["events"].items() if "refused" in k} for s in stats]
+    assert events == [{"refused_lease:unknown token": 2}, {"refused_push:no nonce": 1}]
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = KVBridgeConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]}
+    )
+    total = KVBridgeConnector.build_kv_connector_stats()
+    for s in stats:
+        total.aggregate(s)
+    prom.observe(total.data)
+    name = "vllm:kvbridge_refused_total"
+    lease = {"engine": "0", "what": "lease", "cause": "unknown token"}
+    assert reg.get_sample_value(name, lease) == 2
+    assert reg.get_sample_value(name, {"engine": "0", "what": "push", "cause": "no nonce"}) == 1

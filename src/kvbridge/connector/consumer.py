@@ -8,8 +8,10 @@ tables, cached tokens)`` queues a request; a worker thread runs its state machin
 VERIFY: the request is DONE if its last byte landed within half the lease time P granted
 at ``begin`` (P keeps a begun lease's blocks that long whatever its engine does), and the
 ``confirm`` that lets P free them is sent after the outcome; a slower load asks P whether
-the lease still held first. While QUEUED, the lease is renewed. A FAILED load whose
-transfers may still land is reported only once they ended (:mod:`kvbridge.connector.fence`).
+the lease still held first. While QUEUED or in HANDSHAKE, until its P peer is known (its
+``begin`` goes out next), the lease is renewed every second (a token-less ``renew``). A
+FAILED load whose transfers may still land is reported only once they ended
+(:mod:`kvbridge.connector.fence`).
 """
 
 from __future__ import annotations
@@ -232,8 +234,11 @@ class Consumer:
         reply = peer.client.send(self.leases.op(job, "begin"), since=job.queued)
         try:
             h = job.handle
-            kernel = self.kernel.geometry(peer) if self.kernel else (None, "D maps nothing")
-            geometry, job.no_kernel = kernel[0] or peer.geometry, kernel[1]
+            over, job.no_kernel = (
+                self.kernel.geometry(peer) if self.kernel else (None, "D maps nothing")
+            )
+            job.mapped = over.bases if over else None
+            geometry = over.geometry if over else peer.geometry
             plan = geometry.plan(h.n_tokens, h.block_tables, job.tables, job.cached)
         finally:
             job.lap("plan")
@@ -266,15 +271,17 @@ class Consumer:
         checks: list[Check] = []
         if job.pushed and job.peer is not None:
             rid, probe = job.handle.request_id, self._probe.region.addr
-            checks, closers = push_fence_checks(job.peer, rid, job.pushed, self.transport, probe)
+            checks, closers = push_fence_checks(
+                job.peer, rid, job.pushed, self.transport, probe, self.engine_id
+            )
             on_end += closers
         return Held(out, job.live, checks, on_end)
 
     def _transfer(self, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
         """Move ``plan``'s runs with the mover this request gets: ``(mover, why)``."""
         sources, why = plan.runs.keys(), job.no_kernel
-        if self.kernel is not None and why == "":
-            job.posted += self.kernel.move(peer, plan.runs)
+        if self.kernel is not None and job.mapped is not None:
+            job.posted += self.kernel.move(peer, plan.runs, job.mapped)
             return "kernel", "P's memory is mapped here (same node)"
         mode, how = self._direction(peer, min(sources, default=0))
         if mode is Mode.PUSH:
@@ -292,7 +299,8 @@ class Consumer:
         with self._measuring:
             key = (peer.engine_id, peer.epoch)
             if key not in self.directions:
-                found = measure(self.transport, self.stager, peer, src, self.metadata, self._await)
+                args = (self.stager, peer, src, self.metadata, self._await, self.engine_id)
+                found = measure(self.transport, *args)
                 self.directions[key] = found
             return self.directions[key].choice()
 
@@ -308,7 +316,7 @@ class Consumer:
             job.slot = staged.slot
             runs = {src: r for src, r in runs.items() if src not in staged.ranks}
         job.nonce = secrets.token_hex(16)  # retired at P with each rank's last message
-        bind = PushBind(job.token, self.leases.epoch, job.nonce)
+        bind = PushBind(job.token, self.leases.epoch, job.nonce, self.engine_id)
         want, job.posted = push_runs(peer, rid, runs, self.rank, self.metadata, job.pushed, bind)
         self._await(want, deadline)
         if stager is None or staged is None:

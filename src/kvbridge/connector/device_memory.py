@@ -3,8 +3,11 @@ tests): the device counterpart of :class:`kvbridge.connector.copies.LocalMemory`
 staged transfers of device memory and by the kernel mover.
 
 A :class:`Span` is one ``uint8`` tensor over several regions, addressed by the addresses
-a plan uses (so one kernel call serves runs in any region); each run is checked to lie
-inside one region before any byte moves, and nothing between regions is touched.
+a plan uses (so one kernel call serves runs in any region). Before any byte moves, each
+run is checked: by :meth:`Span.offsets` (staging) to lie inside one region; by
+:meth:`Span.check` (the kernel mover) to lie inside the tensor, each run lying in one
+region by the plan's construction (ids range-checked, region sizes checked at the
+handshake).
 """
 
 from __future__ import annotations

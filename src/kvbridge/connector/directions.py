@@ -25,9 +25,10 @@ import numpy as np
 
 from kvbridge.connector.load import Mode
 from kvbridge.connector.peers import Peer
+from kvbridge.connector.push import reply_runs
 from kvbridge.connector.staging import Stager
-from kvbridge.control.messages import PushReply, PushRuns
-from kvbridge.errors import KVBridgeError, PeerError
+from kvbridge.control.messages import PushRuns
+from kvbridge.errors import KVBridgeError
 from kvbridge.transport.base import Transport
 
 PROBE_BYTES = 8 << 20
@@ -65,10 +66,12 @@ def measure(
     src: int,
     agent_md: bytes,
     await_notif: Callable[[set[bytes], float], None],
+    d_engine: str = "",
 ) -> Directions:
     """Time a READ and a WRITE of the same bytes between P rank ``src`` and D's staging
     slot. ``agent_md``: D's transport metadata (P needs it to write); ``await_notif``:
-    waits for notifications until a monotonic deadline (TransferTimeout after it)."""
+    waits for notifications until a monotonic deadline (TransferTimeout after it);
+    ``d_engine``: D's engine id (the probe's push names it)."""
     if stager is None:
         return Directions(0, 0.0, 0.0, "no staging slot to probe into")
     info = peer.ranks.get(src)
@@ -86,7 +89,7 @@ def measure(
         t0 = time.perf_counter()
         transport.wait(transport.read(peer.agents[src], local, remote, n), PROBE_TIMEOUT_S)
         read_s = time.perf_counter() - t0
-        write_s = _write(peer, src, agent_md, (local, remote, n), await_notif)
+        write_s = _write(peer, src, agent_md, d_engine, (local, remote, n), await_notif)
         clean = True
     except KVBridgeError as exc:
         return Directions(size, float("inf"), float("inf"), f"probe failed: {exc}")
@@ -99,17 +102,19 @@ def _write(
     peer: Peer,
     src: int,
     agent_md: bytes,
+    d_engine: str,
     runs: tuple[np.ndarray, np.ndarray, np.ndarray],
     await_notif: Callable[[set[bytes], float], None],
 ) -> float:
-    """Seconds from asking P rank ``src`` to write ``runs`` (local = D) to their landing."""
+    """Seconds from asking P rank ``src`` (with D's ``agent_md`` and ``d_engine``) to write
+    ``runs`` (local = D) to their landing."""
     local, remote, n = (a.astype("<u8").tobytes() for a in runs)
     notif = f"kvb-probe:{secrets.token_hex(8)}".encode()
+    probe = PushRuns(
+        "probe:" + notif.decode(), agent_md, src=remote, dst=local, nbytes=n, notif=notif,
+        nonce=notif.decode(), d_engine=d_engine,
+    )  # fmt: skip
     t0 = time.perf_counter()
-    reply = peer.rank_client(src).call(
-        PushRuns("probe:" + notif.decode(), agent_md, remote, local, n, notif, nonce=notif.decode())
-    )
-    if not isinstance(reply, PushReply):
-        raise PeerError(f"probe: unexpected reply {type(reply).__name__}")
+    reply_runs(peer.rank_client(src).call(probe), "probe")
     await_notif({notif}, time.monotonic() + PROBE_TIMEOUT_S)
     return time.perf_counter() - t0

@@ -22,9 +22,10 @@ Measured on an H100 with a prototype (``docs/gpu.md``): 65,536 runs of 1 KiB in
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +43,16 @@ from kvbridge.transport.memory import torch_device
 
 MAX_GEOMETRIES = 64
 """P engines whose geometry over mapped memory is kept (as many as D keeps peers)."""
+_MADE = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class Over:
+    """A pair's geometry over the offsets of mapped memory, and the offsets of P's
+    regions (per P rank) it was made over."""
+
+    geometry: Geometry
+    bases: dict[int, tuple[int, ...]]
 
 
 @dataclass(slots=True)
@@ -52,6 +63,8 @@ class _Mapped:
     epoch: str
     opened: Opened
     span: Span
+    made: int = field(default_factory=lambda: next(_MADE))
+    """Which mapping this is (a geometry over its offsets holds for it only)."""
     users: int = 0
     retired: bool = False
 
@@ -69,8 +82,8 @@ class KernelMover:
         self._lock = threading.Lock()
         self._sources: dict[tuple[str, int], _Mapped] = {}
         self._failed: dict[tuple[str, int], tuple[str, TransportError]] = {}
-        self._geometries: dict[str, tuple[str, Geometry]] = {}
-        """Per P engine id: (epoch, geometry over the spans' offsets)."""
+        self._geometries: dict[str, tuple[tuple[int, ...], Over]] = {}
+        """Per P engine id: (the mappings it was made over, geometry over their offsets)."""
 
     def why_not(self, peer: Peer, sources: Iterable[int]) -> str:
         """Why this mover cannot serve ``peer``'s ranks ``sources`` ("" if it can)."""
@@ -88,42 +101,55 @@ class KernelMover:
                 return f"P rank {src}'s memory cannot be mapped here: {exc}"
         return ""
 
-    def geometry(self, peer: Peer) -> tuple[Geometry | None, str]:
+    def geometry(self, peer: Peer) -> tuple[Over | None, str]:
         """The pair's geometry over the offsets of the memory this mover copies between
-        (P's regions as mapped here, D's own), to plan a request in, once per P epoch;
-        ``(None, why)`` if this mover cannot serve ``peer``. A plan made in it addresses
-        the spans' tensors directly: no address is looked up per run (host time)."""
+        (P's regions as mapped here now, D's own), to plan a request in; ``(None, why)`` if
+        this mover cannot serve ``peer``. Made once per mapping of P's ranks (not per
+        epoch: a P's memory mapped again lands elsewhere). A plan made in it addresses the
+        spans' tensors directly: no address is looked up per run (host time)."""
         sources = sorted(peer.geometry.links)
         why = self.why_not(peer, sources)
         if why or peer.remake is None:
             return None, why or "no geometry over mapped memory"
-        with self._lock:
-            known = self._geometries.get(peer.engine_id)
-        if known is not None and known[0] == peer.epoch:
-            return known[1], ""
-        held = [self._acquire(peer, src) for src in sources]
+        held: list[_Mapped] = []
         try:
+            for src in sources:
+                held.append(self._acquire(peer, src))
+            made = tuple(m.made for m in held)
+            with self._lock:
+                known = self._geometries.get(peer.engine_id)
+            if known is not None and known[0] == made:
+                return known[1], ""
             bases = {src: m.span.bases for src, m in zip(sources, held, strict=True)}
-            geometry = peer.remake(bases, self.dst.bases)
+            over = Over(peer.remake(bases, self.dst.bases), bases)
+        except TransportError as exc:  # P's memory went (a restart): over the transport
+            return None, f"P's memory cannot be mapped here: {exc}"
         finally:
             for m in held:
                 self._release(m)
         with self._lock:
             self._geometries.pop(peer.engine_id, None)
-            self._geometries[peer.engine_id] = (peer.epoch, geometry)
+            self._geometries[peer.engine_id] = (made, over)
             while len(self._geometries) > MAX_GEOMETRIES:  # the least recently made
                 del self._geometries[next(iter(self._geometries))]
-        return geometry, ""
+        return over, ""
 
-    def move(self, peer: Peer, runs: dict[int, Runs]) -> int:
-        """Copy every run of ``runs`` (per P rank; planned in :meth:`geometry`, so tensor
-        offsets) from P's mapped memory; the number of copy calls. Returns (or raises)
-        only once every copy it started has ended."""
+    def move(self, peer: Peer, runs: dict[int, Runs], bases: dict[int, tuple[int, ...]]) -> int:
+        """Copy every run of ``runs`` (per P rank; planned in :meth:`geometry` over P's
+        regions at ``bases``, offsets in the spans) from P's mapped memory; the number of
+        copy calls. A P rank's memory mapped again since (elsewhere) is a
+        :class:`TransportError` before any byte moves. Returns (or raises) only once
+        every copy it started has ended."""
         calls, held = 0, []
         try:
             for src, r in runs.items():
                 held.append(self._acquire(peer, src))
                 span = held[-1].span
+                if span.bases != bases.get(src):
+                    raise TransportError(
+                        f"P rank {src}'s memory was mapped again since this load was "
+                        "planned (P restarted?)"
+                    )
                 for d, s, size in copy_groups(span, self.dst, r, f"P rank {src}'s"):
                     rows_copy(self.dst.tensor, d, span.tensor, s, size, stream=self.stream)
                     calls += 1
@@ -193,6 +219,7 @@ class KernelMover:
         """Unmap every P region (no load may be running)."""
         with self._lock:
             mapped, self._sources = list(self._sources.values()), {}
+            self._geometries = {}
         for m in mapped:
             m.opened.close()
 
@@ -221,4 +248,4 @@ def kernel_mover(regions: list[Region]) -> KernelMover | None:
         return None
 
 
-__all__ = ["KernelMover", "copy_groups", "kernel_mover"]
+__all__ = ["KernelMover", "Over", "copy_groups", "kernel_mover"]

@@ -11,6 +11,7 @@ import secrets
 import threading
 from collections.abc import Callable
 
+from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.load import _Load, checked_reply, lease_op
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.control.channel import Client
@@ -34,8 +35,16 @@ class LeaseCalls:
         """Names this D rank's start at P (with the engine id and rank)."""
         self.who = (engine_id, self.epoch, rank, world)
         self.peers, self.secret, self.timeout_s = peers, secret, timeout_s
+        self._turn = threading.Condition()
+        self._renewing: _Load | None = None
+        """The load whose token-less renew is in flight (its ``begin`` waits for it)."""
 
     def op(self, job: _Load, op: LeaseOpName) -> LeaseOp:
+        """``op``'s message; a ``begin`` waits until no token-less renew of ``job`` is in
+        flight (P would refuse one that arrived after the ``begin``)."""
+        if op == "begin":
+            with self._turn:
+                self._turn.wait_for(lambda: self._renewing is not job)
         return lease_op(job.handle, op, self.who, job.token)
 
     def call(
@@ -92,20 +101,41 @@ class LeaseCalls:
         """Every second until ``stop``, renew the leases of the ``waiting`` loads (in the
         queue or in a handshake: a first NIXL connection has been seen to take 31 s here):
         through the peer's channel once it is known, else through a short-timeout channel
-        to the handle's endpoint (kept for the few endpoints seen last)."""
-        clients: dict[str, Client] = {}
+        to the handle's endpoint and engine id (:meth:`_client`)."""
+        clients: dict[tuple[str, str], Client] = {}
         while not stop.wait(1.0):
             for job in waiting():
-                peer: Peer | Client | None = self.peers.known(job.handle)
-                if peer is None:
-                    peer = clients.pop(job.handle.endpoint, None) or Client(
-                        job.handle.endpoint, self.secret, min(self.timeout_s, 1.0),
-                        self.peers.keys, job.handle.engine_id,
-                    )  # fmt: skip
-                    clients[job.handle.endpoint] = peer  # most recent last
-                with contextlib.suppress(KVBridgeError):  # the load itself will find out
-                    self.call(peer, job, "renew")
-            while len(clients) > 16:
-                clients.pop(next(iter(clients))).close()
+                peer = self.peers.known(job.handle)
+                self.renew(peer or self._client(clients, job.handle), job)
         for c in clients.values():
             c.close()
+
+    def _client(self, clients: dict[tuple[str, str], Client], h: TransferHandle) -> Client:
+        """The renew channel to ``h``'s endpoint and engine id (the server key is the one
+        bound to that id), from ``clients``: the 16 seen last, one per endpoint (another
+        engine id there replaces it: P restarted under a new id, or a reused port)."""
+        at = (h.endpoint, h.engine_id)
+        client = clients.pop(at, None)
+        if client is None:
+            for other in [k for k in clients if k[0] == h.endpoint]:
+                clients.pop(other).close()
+            client = Client(at[0], self.secret, min(self.timeout_s, 1.0), self.peers.keys, at[1])
+        clients[at] = client  # most recent last
+        while len(clients) > 16:
+            clients.pop(next(iter(clients))).close()
+        return client
+
+    def renew(self, peer: Peer | Client, job: _Load) -> None:
+        """A token-less ``renew`` of ``job``, unless it began or is about to (its peer is
+        set, or it has a token): checked and sent while its ``begin`` waits (:meth:`op`)."""
+        with self._turn:
+            if job.peer is not None or job.token:
+                return
+            self._renewing = job
+        try:
+            with contextlib.suppress(KVBridgeError):  # the load itself will find out
+                self.call(peer, job, "renew")
+        finally:
+            with self._turn:
+                self._renewing = None
+                self._turn.notify_all()

@@ -101,9 +101,11 @@ class _Load:
     """P answered ``begin`` refused or foreign: nothing of the lease is this rank's."""
     nonce: str = ""
     """Push: issued by D for this load; retired when it ends."""
-    no_kernel: str | None = None
-    """Why the kernel mover does not serve this load ("": it does, and the plan is in
-    its offsets); set when the load is planned."""
+    no_kernel: str = ""
+    """Why the kernel mover does not serve this load; set when the load is planned."""
+    mapped: dict[int, tuple[int, ...]] | None = None
+    """Where the kernel mover serves it: the offsets of P's regions in the memory it
+    mapped, per P rank, that the plan was made over."""
 
     def move(self, to: LoadState) -> None:
         assert to in TRANSITIONS[self.state], (self.state, to)

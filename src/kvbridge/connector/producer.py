@@ -90,8 +90,9 @@ class ProducerWorker:
         self.transport = transport
         self.timeout_s = push_timeout_s
         self._peers: dict[bytes, str] = {}
-        self._running: dict[str, list[XferHandle]] = {}
-        self._fenced: OrderedDict[str, None] = OrderedDict()
+        self._running: dict[tuple[str, str], list[XferHandle]] = {}
+        self._fenced: OrderedDict[tuple[str, str], None] = OrderedDict()
+        """Both by (D engine id, request id)."""
         self.ledger = PushLedger()
         """Each load's pushes written once; refusals by cause (``connector/push_ledger.py``)."""
         self._slots: dict[XferHandle, int] = {}
@@ -116,10 +117,10 @@ class ProducerWorker:
     def _handle(self, msg: Message) -> Message:
         self._sweep()
         if isinstance(msg, PushFence):
-            return self._fence(msg.request_id)
+            return self._fence(msg.request_id, msg.d_engine)
         if not isinstance(msg, PushRuns):
             raise PeerError(f"P rank {self.rank} serves push requests, not {type(msg).__name__}")
-        if msg.request_id in self._fenced:
+        if (msg.d_engine, msg.request_id) in self._fenced:
             self.ledger.refused["fenced"] += 1
             raise PeerError(f"push of {msg.request_id!r} refused: D fenced it after a failure")
         if any(len(b) % 8 for b in (msg.src, msg.dst, msg.nbytes)):
@@ -147,7 +148,7 @@ class ProducerWorker:
         try:
             self.transport.wait_or_keep(handle, self.timeout_s)
         except TransferTimeout:
-            self._running.setdefault(msg.request_id, []).append(handle)
+            self._running.setdefault((msg.d_engine, msg.request_id), []).append(handle)
             if slot is not None:
                 self._slots[handle] = slot  # back once the write ended
             raise
@@ -177,14 +178,15 @@ class ProducerWorker:
             else:
                 del self._running[rid]
 
-    def _fence(self, request_id: str) -> FenceReply:
-        self._fenced[request_id] = None
-        self.ledger.fence(request_id)
+    def _fence(self, request_id: str, d_engine: str) -> FenceReply:
+        key = (d_engine, request_id)
+        self._fenced[key] = None
+        self.ledger.fence(request_id, d_engine)
         while len(self._fenced) > self.FENCED_KEPT:
             self._fenced.popitem(last=False)
-        left = [h for h in self._running.pop(request_id, []) if not self._ended(h)]
+        left = [h for h in self._running.pop(key, []) if not self._ended(h)]
         if left:
-            self._running[request_id] = left
+            self._running[key] = left
         return FenceReply(request_id, not left)
 
     def written(self, event: Event | None = None, timeout_s: float = 10.0) -> None:

@@ -37,11 +37,12 @@ class ProbeArea:
 @dataclass(frozen=True, slots=True)
 class PushBind:
     """What binds a load's pushes to its lease (:mod:`kvbridge.connector.push_ledger`):
-    the ``begin`` token, D's epoch and the nonce D issued for the load."""
+    the ``begin`` token, D's epoch, the nonce D issued for the load and D's engine id."""
 
     token: str
     epoch: str
     nonce: str
+    engine: str
 
     def message(
         self,
@@ -55,8 +56,11 @@ class PushBind:
     ) -> PushRuns:
         """The push of ``arrays`` (src, dst, nbytes: uint64 bytes), message ``part``."""
         s, d, n = arrays
-        ids = (self.token, self.epoch, self.nonce)
-        return PushRuns(request_id, agent, s, d, n, notif, staged, *ids, part, last)
+        return PushRuns(
+            request_id, agent, src=s, dst=d, nbytes=n, notif=notif, staged=staged,
+            token=self.token, d_epoch=self.epoch, nonce=self.nonce, part=part, last=last,
+            d_engine=self.engine,
+        )  # fmt: skip
 
 
 def reply_runs(reply: Message, what: str) -> int:
@@ -94,13 +98,18 @@ def push_runs(
 
 
 def push_fence_checks(
-    peer: Peer, request_id: str, ranks: list[int], transport: Transport, probe_addr: int
+    peer: Peer,
+    request_id: str,
+    ranks: list[int],
+    transport: Transport,
+    probe_addr: int,
+    d_engine: str,
 ) -> tuple[list[Callable[[], bool]], list[Callable[[], None]]]:
     """One check per P rank in ``ranks``: True once that rank answered that none of its
-    writes for ``request_id`` is running (and it will refuse any later push of it), or
-    once a 1-byte READ from it was posted and then failed as NIXL reports it (a killed
-    rank: its connection is gone). ``probe_addr``: 1 registered byte of D's own for that
-    READ. Also the closers.
+    writes for ``request_id`` from D instance ``d_engine`` is running (and it will refuse
+    any later push of it), or once a 1-byte READ from it was posted and then failed as
+    NIXL reports it (a killed rank: its connection is gone). ``probe_addr``: 1 registered
+    byte of D's own for that READ. Also the closers.
 
     Limit: the probe sees D's connection to the rank, not the rank's to D. A rank that
     is alive but cut off long enough for D's connection to fail, and whose own write to
@@ -110,7 +119,8 @@ def push_fence_checks(
     closers: list[Callable[[], None]] = []
     for src in sorted(set(ranks)):
         client = Client(peer.endpoints[src], peer.secret, FENCE_TIMEOUT_S, peer.keys)
-        check = _RankFence(client, request_id, transport, peer.agents.get(src), probe_addr)
+        fence = PushFence(request_id, d_engine)
+        check = _RankFence(client, fence, transport, peer.agents.get(src), probe_addr)
         check.remote = peer.probe_addrs.get(src)
         checks.append(check)
         closers.append(check.close)
@@ -122,16 +132,16 @@ class _RankFence:
     probes whether its agent still lives (a stopped or cut-off rank: ask again later)."""
 
     def __init__(
-        self, client: Client, request_id: str, transport: Transport, agent: str | None, local: int
+        self, client: Client, fence: PushFence, transport: Transport, agent: str | None, local: int
     ):
-        self.client, self.request_id = client, request_id
+        self.client, self.fence = client, fence
         self.transport, self.agent, self.local = transport, agent, local
         self.remote: int | None = None
         self.probe: XferHandle | None = None
 
     def __call__(self) -> bool:
         try:
-            reply = self.client.call(PushFence(self.request_id))
+            reply = self.client.call(self.fence)
         except KVBridgeError:
             return self._agent_gone()
         return isinstance(reply, FenceReply) and reply.ended

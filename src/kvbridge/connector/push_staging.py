@@ -86,7 +86,8 @@ class StagedPusher:
         await_notifs: Callable[[set[bytes]], None],
         bind: PushBind,
     ):
-        """``bind``: the load's lease token, D epoch and nonce (each round is one part)."""
+        """``bind``: the load's lease token, D epoch, nonce and D engine id (each round is
+        one part)."""
         self.stager, self.peer, self.request_id = stager, peer, request_id
         self.rank, self.agent, self.await_notifs = rank, agent, await_notifs
         self.bind = bind

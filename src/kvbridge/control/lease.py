@@ -1,8 +1,8 @@
 """P-side leases: one state machine per request.
 
-    HELD ──all D ranks reported──► DONE
-      │ ──abort────────────────► ABORTED
-      └─deadline passed────────► EXPIRED
+    HELD ──all D ranks reported (each that began, with its token)──► DONE
+      │ ──abort──────────────────────────────────────────────────────► ABORTED
+      └─deadline passed──────────────────────────────────────────────► EXPIRED
 
 Leaving HELD frees the request's blocks exactly once. A D rank's ``confirm`` is
 answered ``held`` only while the lease is HELD and before its deadline; anything later

@@ -166,6 +166,9 @@ class PushRuns(msgspec.Struct, tag="push", frozen=True):
     """Which message of the load this is (a staged push sends one per round)."""
     last: bool = True
     """The load's last message to this rank: its nonce is retired once accepted."""
+    d_engine: str = ""
+    """The D instance's engine id: bound to its key (per-instance identities), and part
+    of the load's key at the rank (a push of one engine never acts on another's load)."""
 
 
 class PushReply(msgspec.Struct, tag="push_reply", frozen=True):
@@ -183,9 +186,11 @@ class PushRefused(msgspec.Struct, tag="push_refused", frozen=True):
 
 class PushFence(msgspec.Struct, tag="push_fence", frozen=True):
     """D → P rank after a failed push: are your writes for ``request_id`` over? From
-    then on the rank refuses any push of that request."""
+    then on the rank refuses any push of that request from ``d_engine``."""
 
     request_id: str
+    d_engine: str = ""
+    """The D instance asking (bound to its key, as in :class:`PushRuns`)."""
 
 
 class FenceReply(msgspec.Struct, tag="fence_reply", frozen=True):

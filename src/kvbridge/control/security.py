@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -192,11 +193,15 @@ def _identity(path: str | Path, raw: dict[str, Any]) -> Keys:
 
 
 def _write(path: Path, body: dict[str, Any], replace_file: bool) -> None:
-    """Write ``body`` beside ``path`` (0600) and move it there: readers never see half
-    a file, and without ``replace_file`` an existing file is kept (:class:`ConfigError`)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write ``body`` to a new file of a random name beside ``path`` (0600; created
+    exclusively, never through a link someone planted) and move it there: readers never
+    see half a file, and without ``replace_file`` an existing file is kept
+    (:class:`ConfigError`)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    made = False
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        made = True
         with os.fdopen(fd, "w") as f:
             json.dump(body, f, indent=1)
         if replace_file:
@@ -204,11 +209,13 @@ def _write(path: Path, body: dict[str, Any], replace_file: bool) -> None:
         else:
             os.link(tmp, path)
     except FileExistsError:
-        raise ConfigError(f"CURVE keys file {path} exists; not overwritten") from None
+        why = " exists; not overwritten" if made else f": temporary file {tmp} exists"
+        raise ConfigError(f"CURVE keys file {path}{why}") from None
     except OSError as e:
         raise ConfigError(f"CURVE keys file {path}: {e}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        if made:
+            tmp.unlink(missing_ok=True)
 
 
 def _z85(path: str | Path, name: str, value: object) -> bytes:

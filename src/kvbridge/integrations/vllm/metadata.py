@@ -31,8 +31,9 @@ class LoadJob:
 
 @dataclass
 class StepMeta(KVConnectorMetadata):
-    """Scheduler → workers, once per step: loads to start, P requests freed, and handles
-    whose blocks D does not need (its own cache holds the whole prompt) to release at P."""
+    """Scheduler → workers, once per step: loads to start, P requests freed, handles
+    whose blocks D does not need (its own cache holds the whole prompt) to release at P,
+    and lease ops P refused."""
 
     loads: list[LoadJob] = field(default_factory=list)
     freed: list[tuple[str, str]] = field(default_factory=list)
@@ -42,6 +43,8 @@ class StepMeta(KVConnectorMetadata):
     """P: a request of this step leaves with a handle once it ends (prefill for remote
     decode): the workers wait for the step's KV writes in ``wait_for_save``, and only
     then."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """P: lease ops refused since the previous step, by cause (``LeaseTable.refused``)."""
 
 
 @dataclass

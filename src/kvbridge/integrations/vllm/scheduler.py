@@ -24,6 +24,7 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
 from kvbridge.integrations.vllm.metadata import HANDLE_KEY, LoadJob, StepMeta, decode_info
+from kvbridge.integrations.vllm.stats import increase
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class SchedulerSide:
         self._started: set[str] = set()
         self._remote: set[str] = set()
         """P: requests prefilled for remote decode, until they end."""
+        self._refused: dict[str, int] = {}
+        """P: lease refusals by cause, as of the last step."""
         self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
         """Per group: P's described blocks per vLLM block (from its ranks' layouts)."""
 
@@ -169,7 +172,10 @@ class SchedulerSide:
         )
         ids = getattr(scheduled, "num_scheduled_tokens", None)
         save = ids is None or any(r in self._remote for r in ids)
-        meta = StepMeta(self._loads, freed, self._releases, save)
+        refused = increase(self.producer.leases.refused, self._refused) if self.producer else {}
+        for cause, n in refused.items():  # one line per cause and step, however many
+            log.warning("kvbridge P %s refused %d lease op(s): %s", self.cfg.engine_id, n, cause)
+        meta = StepMeta(self._loads, freed, self._releases, save, refused)
         self._loads, self._releases = [], []
         return meta
 

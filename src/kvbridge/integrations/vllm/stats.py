@@ -15,10 +15,14 @@ Prometheus form (:class:`KVBridgePromMetrics`, on the server's ``/metrics``)::
                                                 confirmed; expired; aborted)
     vllm:kvbridge_releases_total                D: handles released unread (the prompt
                                                 was cached whole on D)
+    vllm:kvbridge_refused_total{what, cause}    P: refused or foreign messages, by cause
+                                                (what: lease, a confirm/fail/renew/begin;
+                                                push, a PushRuns to a rank)
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +49,22 @@ def observation(out: Outcome) -> dict[str, Any]:
     }
 
 
+def increase(counts: Mapping[str, int], seen: dict[str, int]) -> dict[str, int]:
+    """What ``counts`` (a counter by cause) gained since ``seen``, which becomes a copy
+    of it."""
+    now = dict(counts)  # one copy: the counter may grow on another thread meanwhile
+    out = {k: n - seen.get(k, 0) for k, n in now.items() if n > seen.get(k, 0)}
+    seen.clear()
+    seen.update(now)
+    return out
+
+
 @dataclass
 class KVBridgeStats(KVConnectorStats):
     """``data = {"loads": [observation, ...], "events": {name: count}}`` since the last
-    report; events are ``lease_done``, ``lease_expired``, ``lease_aborted``, ``release``."""
+    report; events are ``lease_done``, ``lease_expired``, ``lease_aborted``, ``release``,
+    and refusals at P: ``refused_lease:<cause>`` (a lease op, counted by rank 0) and
+    ``refused_push:<cause>`` (a push, counted by the rank it reached)."""
 
     def __post_init__(self) -> None:
         self.data.setdefault("loads", [])
@@ -134,6 +150,11 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             documentation="D: handles released unread (prompt cached whole on D).",
             labelnames=labelnames,
         )
+        self.refused = c(
+            name="vllm:kvbridge_refused",
+            documentation="P: refused or foreign lease ops and pushes, by cause.",
+            labelnames=[*labelnames, "what", "cause"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         lv = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -142,6 +163,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 self.leases.labels(*lv, name.removeprefix("lease_")).inc(n)
             elif name == "release":
                 self.releases.labels(*lv).inc(n)
+            elif name.startswith("refused_"):
+                what, _, cause = name.removeprefix("refused_").partition(":")
+                self.refused.labels(*lv, what, cause or "unknown").inc(n)
         for o in transfer_stats_data.get("loads", []):
             self.loads.labels(*lv, "ok" if o["ok"] else "failed").inc()
             if not o["ok"]:

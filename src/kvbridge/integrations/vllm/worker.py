@@ -30,7 +30,7 @@ from kvbridge.integrations.vllm.gpu_layout import kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
 from kvbridge.integrations.vllm.placement import Placement
 from kvbridge.integrations.vllm.scheduler import decode_handle
-from kvbridge.integrations.vllm.stats import observation
+from kvbridge.integrations.vllm.stats import increase, observation
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ class WorkerSide:
         self.observed: list[dict[str, object]] = []
         """Loads finished since vLLM last asked for stats (see stats.py)."""
         self.events: Counter[str] = Counter()
-        """Lease ends (P) and releases (D) since vLLM last asked for stats."""
+        """Lease ends and refusals (P), releases (D) since vLLM last asked for stats."""
+        self._refused: dict[str, int] = {}
+        """P: this rank's push refusals by cause, as of the last report."""
         self.totals: Counter[str] = Counter()
         """Loads ok / failed, bytes and descriptors moved, since start."""
         self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
@@ -108,6 +110,10 @@ class WorkerSide:
             self.totals[f"leases_{ended}"] += 1
             if self.rank == 0:  # every rank sees the same lease; count it once
                 self.events[f"lease_{ended}"] += 1
+        for cause, n in meta.refused.items():  # refused by P's scheduler process
+            self.totals[f"refused_lease:{cause}"] += n
+            if self.rank == 0:
+                self.events[f"refused_lease:{cause}"] += n
         for text in meta.releases:
             try:
                 if self.consumer is not None:
@@ -167,7 +173,13 @@ class WorkerSide:
         return sent, {o.request_id for o in done}, {o.request_id for o in done if not o.ok}
 
     def take_observed(self) -> tuple[list[dict[str, object]], dict[str, int]]:
-        """Loads finished and events counted since the last call."""
+        """Loads finished and events counted since the last call (P: with the pushes this
+        rank refused)."""
+        if self.producer is not None:
+            for cause, n in increase(self.producer.ledger.refused, self._refused).items():
+                log.warning("kvbridge P rank %d refused %d push(es): %s", self.rank, n, cause)
+                self.totals[f"refused_push:{cause}"] += n
+                self.events[f"refused_push:{cause}"] += n
         out, events = self.observed, dict(self.events)
         self.observed, self.events = [], Counter()
         return out, events
