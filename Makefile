@@ -33,12 +33,19 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# day-to-day: the same lint and typecheck, then tests/unit only (a few minutes; no NIXL
+# processes, reference-engine e2e or vLLM engines; `make test` runs those)
+.PHONY: test-fast
+test-fast: lint typecheck
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
 demo: $(STAMP)
 	$(BIN)/kvbridge demo
 
 # P and D vLLM servers with the kvbridge connector behind `kvbridge proxy`
+# (DEMO_VLLM_ARGS=--keep keeps its temporary folder of model and logs)
 demo-vllm: $(STAMP)
-	$(BIN)/python -m kvbridge.integrations.vllm.demo
+	$(BIN)/python -m kvbridge.integrations.vllm.demo $(DEMO_VLLM_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/kvbridge bench plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 DEFAULTS = {
-    # UCX's IB module segfaults at process exit on these machines (NIXL_NOTES).
+    # UCX's IB module segfaults at process exit (docs/performance.md, NIXL on this machine class).
     "UCX_MODULES": "^ib",
     "NIXL_LOG_LEVEL": "WARN",
     # Over TCP (P and D on different hosts) UCX moves a READ in segments of this size;
@@ -46,3 +46,9 @@ def triton_copies() -> bool:
     """``KVBRIDGE_TRITON`` (default "1"): CUDA copies may use the fused Triton kernel;
     "0" keeps them on torch's index kernels (:mod:`kvbridge.connector.device_copies`)."""
     return os.environ.get("KVBRIDGE_TRITON", "1") != "0"
+
+
+def log_level() -> str:
+    """``KVBRIDGE_LOG_LEVEL`` (default "INFO"): level of the ``kvbridge`` logger inside a
+    vLLM engine (:func:`kvbridge.integrations.vllm.config.setup_logging`)."""
+    return os.environ.get("KVBRIDGE_LOG_LEVEL", "INFO").strip().upper()

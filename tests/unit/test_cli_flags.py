@@ -46,6 +46,17 @@ def test_help_imports_nothing_heavy() -> None:
         assert imported(command, "--help") == [], command
 
 
+def test_top_level_help_is_for_users(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvbridge --help``: what the tool does and one line per command, no docstring."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "register(sub)" not in out
+    assert "prefill instance (P)" in out and "decode" in out
+    lines = out.splitlines()
+    for command in ("plan", "bench", "demo", "proxy", "keys"):
+        assert any(line.split()[:1] == [command] for line in lines), command
+
+
 def test_plan_imports_numpy_but_not_torch() -> None:
     argv = ("plan", "--model", "llama-3.1-8b", "--tokens", "5000", "--decode", "tp=2", "--json")
     assert imported(*argv) == ["numpy"]

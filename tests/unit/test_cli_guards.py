@@ -134,3 +134,37 @@ def test_demo_limit_is_what_the_colocated_check_holds() -> None:
     assert len(generate("llama", prompt, n_new_tokens=8)) == 8
     with pytest.raises(EngineError, match="blocks needed"):
         generate("llama", prompt, n_new_tokens=8 + REFERENCE_BLOCK + 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "lead"),
+    [
+        (["--prefill", "tp=5"], "--prefill tp=5: 6 linear-attention heads cannot be split"),
+        (["--decode", "tp=4,block=16"], "--decode tp=4,block=16: 6 linear-attention heads"),
+        (["--prefill", "pp=9"], "--prefill pp=9: pp=9 exceeds the 6 layers"),
+        (["--preset", "deepseek", "--decode", "tp=8"], "--decode tp=8: 12 MLA heads"),
+    ],
+)
+def test_demo_refuses_a_side_the_preset_cannot_run_before_printing(
+    argv: list[str], lead: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvbridge.cli import demo_run
+
+    def never(*a: object, **k: object) -> None:
+        raise AssertionError("P started for a side the demo must refuse")
+
+    monkeypatch.setattr(demo_run, "PrefillServer", never)
+    assert main(["demo", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [err.strip()], err  # no banner, one line
+    assert err.startswith(f"kvbridge: error: ConfigError: {lead}"), err
+
+
+def test_demo_side_check_accepts_what_the_engine_runs() -> None:
+    from kvbridge.cli.args import side
+    from kvbridge.cli.demo_run import check_side
+    from kvbridge.engine import preset
+
+    for tp in (1, 2, 3, 6):
+        check_side(preset("kimi-linear"), "--decode", side(f"tp={tp}"), SideConfig(tp=tp))
+    check_side(preset("llama"), "--prefill", side("pp=2"), SideConfig(tp=2, pp=2))

@@ -14,7 +14,7 @@ from kvbridge.transport.base import XferHandle
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import World, check_bytes
 
-READ_GBPS = 0.5  # the emulated READ of NIXL_NOTES' GPU measurements
+READ_GBPS = 0.5  # GPU-to-GPU READ under UCX's emulation (docs/gpu.md)
 READ_LATENCY_S = 0.05  # the toy P's regions are small: a fixed cost makes the gap plain
 
 

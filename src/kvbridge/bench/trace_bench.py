@@ -14,7 +14,6 @@ buffers of the longest request (1/8 of a pool): about 2.9 GiB with the default.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 from kvbridge.bench import trace_report
 from kvbridge.bench.trace_case import Case, model_spec, sizing
 from kvbridge.bench.trace_worker import CaseResult, d_main, p_main
+from kvbridge.cli.json_out import dumps
 
 MODELS = ("llama-3.1-8b", "jamba-1.5-mini")
 TP_PAIRS = ((1, 1), (1, 2), (2, 1))
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = run_all(args.quick, lambda line: print(line, file=sys.stderr, flush=True), todo)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(dumps(rows))
     else:
         print(trace_report.table(rows))
         print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")

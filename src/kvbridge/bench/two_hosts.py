@@ -16,7 +16,6 @@ read is checked byte for byte.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.cli.json_out import dumps
 from kvbridge.testing.netns import Hosts, enter, unavailable
 
 PORT = 47111
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:60s} socket copy {sock:.2f} GB/s  {cells}", flush=True)
         gbps["socket copy"] = sock
     if a.json:
-        print(json.dumps(report))
+        print(dumps(report, indent=None))
     return 0
 
 

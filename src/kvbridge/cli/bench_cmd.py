@@ -6,7 +6,6 @@ case goes to stderr; the table (or, with ``--json``, one JSON list) to stdout at
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -95,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
 
         rows = run_all(quick=args.quick, progress=say)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        from kvbridge.cli.json_out import dumps
+
+        print(dumps(rows))
     else:
         print_table(rows)
     if args.plot is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import secrets
 import sys
 import time
@@ -19,11 +18,15 @@ from kvbridge.api import SideConfig
 from kvbridge.cli.args import SideSpec, side
 from kvbridge.cli.demo_cmd import DEFAULT_DECODE, DEFAULT_PREFILL, QUICK
 from kvbridge.cli.demo_report import Row, Summary, render_json, render_text
+from kvbridge.cli.json_out import dumps
 from kvbridge.cli.plan_report import human
 from kvbridge.connector.consumer import Mode
-from kvbridge.engine import ModelConfig, encode, generate, preset
+from kvbridge.engine import ModelConfig, encode, generate, model_spec, preset
+from kvbridge.engine.model import Model
+from kvbridge.engine.ops import Shard
 from kvbridge.engine.pd import DecodeServer, PrefillServer, Router
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, SpecError
+from kvbridge.spec.parallel import Parallel
 
 PROMPTS = (
     "Hello, world!",
@@ -54,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = preset(args.preset)
     p_side = _side(args.prefill, DEFAULT_PREFILL)
     d_side = _side(args.decode, DEFAULT_DECODE)
+    check_side(cfg, "--prefill", args.prefill, p_side)
+    check_side(cfg, "--decode", args.decode, d_side)
     requests = _requests(args)
     longest = max(len(r.prompt) for r in requests) + args.new_tokens
     p_side, d_side = _room(p_side, longest), _room(d_side, longest)
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         rows,
         time.perf_counter() - t0,
     )
-    print(json.dumps(render_json(summary), indent=1) if args.json else render_text(summary))
+    print(dumps(render_json(summary)) if args.json else render_text(summary))
     return 0 if summary.all_match else 1
 
 
@@ -153,6 +158,19 @@ def _side(given: SideSpec, default: str) -> SideConfig:
     values, _ = given.resolve(dict(side(default).given), {"tp": 1, "pp": 1})
     tp, pp, block = (int(values[k]) for k in ("tp", "pp", "block"))
     return SideConfig(tp, block, str(values["layout"]), pp=pp)
+
+
+def check_side(cfg: ModelConfig, flag: str, given: SideSpec, s: SideConfig) -> None:
+    """Refuse, before anything starts or is printed, a side the preset cannot run: a
+    head or state axis that TP does not split, more PP stages than layers."""
+    try:
+        Parallel(tp=s.tp, pp=s.pp).stage_ranges(len(cfg.pattern))
+        spec = model_spec(cfg, s.block_size)
+        Model(cfg, spec, Shard(s.tp, 0), lambda x: x, range(len(cfg.pattern)))
+        spec.check_tp(s.tp)
+    except SpecError as e:
+        text = ",".join(f"{k}={v}" for k, v in given.given) or "(default)"
+        raise ConfigError(f"{flag} {text}: {e} (preset {cfg.name})") from None
 
 
 def _room(side: SideConfig, tokens: int) -> SideConfig:

@@ -16,11 +16,24 @@ import sys
 from kvbridge.errors import KVBridgeError
 
 COMMANDS = ("plan", "bench", "demo", "proxy", "keys")
+ABOUT = (
+    "kvbridge moves a request's KV cache from a prefill instance (P) to a decode\n"
+    "instance (D) over NIXL, whatever their TP, PP, block sizes and memory layouts."
+)
+EPILOG = (
+    "Run 'kvbridge COMMAND --help' for a command's flags.\n"
+    "Exit codes: 0 success, 1 a failed check, 2 bad input."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="kvbridge",
+        description=ABOUT,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     for name in COMMANDS:
         try:
             mod = importlib.import_module(f"kvbridge.cli.{name}_cmd")

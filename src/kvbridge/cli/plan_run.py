@@ -4,12 +4,12 @@ resolved, resource guards, the dry run, the report and its warnings."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 
 from kvbridge.cli.args import SideSpec
+from kvbridge.cli.json_out import dumps
 from kvbridge.cli.plan_guards import Estimate, context_length, estimate
 from kvbridge.cli.plan_report import Report, human, render_json, render_text
 from kvbridge.errors import ConfigError, SpecError
@@ -20,7 +20,7 @@ from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.load import load_model
 
 SMALL_RUN = 16 * 1024
-"""Mean run size (bytes) below which descriptor count dominates (shared/NIXL_NOTES.md)."""
+"""Mean run size (bytes) below which descriptor count dominates (docs/performance.md)."""
 PROGRESS_DESCRIPTORS = 2_000_000
 """Estimated descriptors (largest D rank) from which each rank's plan gets a line."""
 SHARED_KEYS = ("block", "layout")
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     report = Report(info, p, d, args.tokens, args.cached_tokens, args.shuffle_blocks, ranks)
     report.warnings.extend(_context_warning(args.model, args.tokens))
     report.warnings.extend(warnings(report, args.max_memory))
-    print(json.dumps(render_json(report), indent=1) if args.json else render_text(report))
+    print(dumps(render_json(report)) if args.json else render_text(report))
     return 0
 
 

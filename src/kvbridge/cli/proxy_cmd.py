@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="OpenAI-compatible front: prefill on a P server, decode on a D server",
         description="Each request is prefilled on a P server (max_tokens 1) and decoded on a "
         "D server with P's kv_transfer_params. Serves /v1/completions, /v1/chat/completions "
-        "(streaming too), /v1/models, /health and /metrics (Prometheus).",
+        "(streaming too), /v1/models, /health and /metrics (Prometheus). A P or D server "
+        "that is down answers 502 (504 after a timeout) with an OpenAI-style error "
+        '{"error": {"message", "type", "code", "backend": URL}}; one log line each.',
     )
     p.add_argument(
         "--prefill",

@@ -23,12 +23,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
+from kvbridge.connector.load import Outcome
 from kvbridge.transport.base import Transport, XferHandle
-
-if TYPE_CHECKING:
-    from kvbridge.connector.consumer import Outcome
 
 log = logging.getLogger(__name__)
 

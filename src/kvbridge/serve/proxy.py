@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -29,11 +30,30 @@ MAX_BODY = 8 << 20
 
 
 class BackendError(Exception):
-    """A P or D server failed; ``status`` is what the client gets."""
+    """A P or D server failed; ``status`` is what the client gets, ``backend`` its URL."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, backend: str | None = None):
         super().__init__(message)
         self.status = status
+        self.backend = backend
+
+
+def describe(e: BaseException) -> str:
+    """A failed call to a backend in a few words (no Python object dump)."""
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        errno = e.os_error.errno
+        return f"unreachable ({os.strerror(errno) if errno else e.os_error})"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "closed the connection"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def failed(role: str, url: str, e: BaseException) -> BackendError:
+    """The client's answer to a failed call: 504 for a timeout, else 502."""
+    status = 504 if isinstance(e, TimeoutError) else 502
+    return BackendError(status, f"{role} server {url}: {describe(e)}", url)
 
 
 class Proxy:
@@ -74,17 +94,19 @@ class Proxy:
             self.metrics.stage.labels("prefill").observe(time.perf_counter() - t0)
             resp = await self._decode(request, route, body, t0)
         except json.JSONDecodeError as e:
-            return self._error(route, 400, f"malformed JSON: {e}")
+            return self._error(route, BackendError(400, f"malformed JSON: {e}"))
         except BackendError as e:
-            return self._error(route, e.status, str(e))
+            return self._error(route, e)
         self.metrics.requests.labels(route, "ok").inc()
         self.metrics.stage.labels("total").observe(time.perf_counter() - t0)
         return resp
 
-    def _error(self, route: str, status: int, message: str) -> web.Response:
+    def _error(self, route: str, e: BackendError) -> web.Response:
+        """An OpenAI-style JSON error naming the backend that failed; one log line."""
         self.metrics.requests.labels(route, "error").inc()
-        err = {"error": {"message": message, "type": "kvbridge_proxy_error", "code": status}}
-        return web.json_response(err, status=status)
+        log.warning("%s -> %d: %s", route, e.status, e)
+        err = {"message": str(e), "type": "kvbridge_proxy_error", "code": e.status}
+        return web.json_response({"error": {**err, "backend": e.backend}}, status=e.status)
 
     async def _prefill(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         req = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
@@ -94,12 +116,15 @@ class Proxy:
         backend = self.p.pick()
         async with self._call(backend, "prefill", route, req) as resp:
             if resp.status != 200:
-                raise BackendError(resp.status, f"prefill server: {await resp.text()}")
+                why = _reason(await resp.text())
+                msg = f"prefill server {backend.url} answered {resp.status}: {why}"
+                raise BackendError(resp.status, msg, backend.url)
             reply = await resp.json()
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
         if not isinstance(params, dict):
             self.metrics.backend_errors.labels("prefill", "no_handle").inc()
-            raise BackendError(502, f"prefill server {backend.url} returned no kv_transfer_params")
+            msg = f"prefill server {backend.url} returned no kv_transfer_params"
+            raise BackendError(502, msg, backend.url)
         return params
 
     async def _decode(
@@ -117,18 +142,25 @@ class Proxy:
             out.content_type = resp.content_type
             await out.prepare(request)
             first = True
-            async for chunk in resp.content.iter_any():
-                if first:
-                    self.metrics.ttft.observe(time.perf_counter() - t0)
-                    first = False
-                await out.write(chunk)
+            try:
+                async for chunk in resp.content.iter_any():
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                        first = False
+                    await out.write(chunk)
+            except (TimeoutError, aiohttp.ClientError) as e:  # headers sent: cut the stream
+                log.warning("%s: stream cut, %s", route, failed("decode", backend.url, e))
+                return out
             await out.write_eof()
             self.metrics.stage.labels("decode").observe(time.perf_counter() - t1)
             return out
 
-    def _call(self, b: Backend, role: str, route: str, body: dict[str, Any]) -> Any:
+    def _call(self, b: Backend, role: str, route: str, body: dict[str, Any] | None) -> Any:
+        """POST ``body`` to ``b`` (GET when ``body`` is None), tracked."""
         assert self.session is not None
-        return _Tracked(self, b, role, self.session.post(b.url + route, json=body))
+        url = b.url + route
+        ctx = self.session.get(url) if body is None else self.session.post(url, json=body)
+        return _Tracked(self, b, role, ctx)
 
     async def health(self, _: web.Request) -> web.Response:
         async def ok(b: Backend) -> bool:
@@ -152,11 +184,14 @@ class Proxy:
     async def render_metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
-    async def models(self, _: web.Request) -> web.Response:
-        assert self.session is not None
+    async def models(self, request: web.Request) -> web.Response:
         b = self.d.pick()
-        async with self.session.get(b.url + "/v1/models") as r:
-            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+        try:
+            async with self._call(b, "decode", "/v1/models", None) as r:
+                data = await r.read()
+                return web.Response(body=data, status=r.status, content_type=r.content_type)
+        except BackendError as e:
+            return self._error(request.path, e)
 
 
 class _Tracked:
@@ -173,12 +208,17 @@ class _Tracked:
         except (TimeoutError, aiohttp.ClientError) as e:
             self._done(failed=True)
             self.proxy.metrics.backend_errors.labels(self.role, type(e).__name__).inc()
-            raise BackendError(502, f"{self.role} server {self.b.url}: {e!r}") from None
+            raise failed(self.role, self.b.url, e) from None
         return resp
 
     async def __aexit__(self, *exc: Any) -> None:
+        """A timeout or lost connection while reading the reply becomes a BackendError."""
         self._done(failed=exc[0] is not None)
         await self.ctx.__aexit__(*exc)
+        e = exc[1]
+        if isinstance(e, (TimeoutError, aiohttp.ClientError)):
+            self.proxy.metrics.backend_errors.labels(self.role, type(e).__name__).inc()
+            raise failed(self.role, self.b.url, e) from None
 
     def _done(self, failed: bool) -> None:
         self.b.in_flight -= 1
@@ -187,5 +227,26 @@ class _Tracked:
         self.proxy.metrics.in_flight.labels(self.role, self.b.url).set(self.b.in_flight)
 
 
+def _reason(text: str) -> str:
+    """A backend's error text: its OpenAI ``error.message`` if it has one, else the text."""
+    try:
+        msg = json.loads(text)["error"]["message"]
+    except (ValueError, TypeError, KeyError):
+        msg = text
+    return str(msg).strip()[:500] or "(empty body)"
+
+
+def listening(host: str, port: int, prefill: list[str], decode: list[str]) -> str:
+    """The line the proxy prints once it listens."""
+    return (
+        f"kvbridge proxy listening on http://{host}:{port}"
+        f" (prefill: {', '.join(prefill)}; decode: {', '.join(decode)})"
+    )
+
+
 def run(prefill: list[str], decode: list[str], host: str, port: int) -> None:
-    web.run_app(Proxy(prefill, decode).app(), host=host, port=port, print=None)
+    proxy = Proxy(prefill, decode)
+    line = listening(
+        host, port, [b.url for b in proxy.p.backends], [b.url for b in proxy.d.backends]
+    )
+    web.run_app(proxy.app(), host=host, port=port, print=lambda _: print(line, flush=True))

@@ -28,11 +28,36 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
+from kvbridge import envs
 from kvbridge.api import ConfigError, Keys, transport_names
 
 log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(processName)s/%(process)d] %(name)s: %(message)s"
+"""vLLM's line layout, with the process name and id of the engine process or worker."""
+
+
+def setup_logging(stream: IO[str] | None = None) -> None:
+    """Give the ``kvbridge`` logger a handler (``stream``, default stderr) in
+    :data:`LOG_FORMAT` at ``KVBRIDGE_LOG_LEVEL`` (INFO), not propagated, so its lines are
+    printed once. vLLM configures only its own logger: without this, kvbridge's records
+    reach Python's last-resort handler (WARNING and up, message only). Does nothing if
+    the ``kvbridge`` logger already has a handler (a second connector object) or the root
+    logger has one (the process set logging up itself: pytest, ``kvbridge proxy``)."""
+    logger = logging.getLogger("kvbridge")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    name = envs.log_level()
+    level = logging.getLevelNamesMapping().get(name)
+    if level is None:
+        raise ConfigError(f"KVBRIDGE_LOG_LEVEL={name!r}: not a level (DEBUG, INFO, WARNING, …)")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
 
 
 @dataclass(frozen=True, slots=True)

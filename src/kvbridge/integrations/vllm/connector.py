@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge.integrations.vllm.cache import read_cache
-from kvbridge.integrations.vllm.config import read_config
+from kvbridge.integrations.vllm.config import read_config, setup_logging
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta
 from kvbridge.integrations.vllm.placement import place
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
@@ -30,6 +30,7 @@ from kvbridge.integrations.vllm.worker import WorkerSide
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        setup_logging()
         cfg = read_config(vllm_config.kv_transfer_config, vllm_config.model_config.hf_config)
         cache = read_cache(vllm_config, kv_cache_config)
         self.sched: SchedulerSide | None = None

@@ -4,17 +4,23 @@ kvbridge connector, ``kvbridge proxy`` in front, a few requests through the offi
 ``vllm:kvbridge_*`` metrics. Exits 1 on any mismatch.
 
     python -m kvbridge.integrations.vllm.demo [--workdir DIR] [--keep]
+
+Without ``--workdir`` the model and logs go to a temporary folder, removed at the end
+(also on error or Ctrl-C) unless ``--keep`` is given. A ``--workdir`` is never removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvbridge.integrations.vllm.models import make_tiny_model
@@ -44,13 +50,35 @@ def _wait(url: str, timeout_s: float = 30.0) -> None:
     raise SystemExit(f"demo: {url} did not answer in {timeout_s} s")
 
 
+@contextlib.contextmanager
+def workdir(given: Path | None, keep: bool) -> Iterator[Path]:
+    """``given``, left in place; else a new temporary folder, removed on exit (error
+    included) unless ``keep``."""
+    if given is not None:
+        yield given
+        return
+    work = Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
+    try:
+        yield work
+    finally:
+        if keep:
+            print(f"kept {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=None, help="model and logs (default: temp)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder at the end")
     args = ap.parse_args(argv)
+    with workdir(args.workdir, args.keep) as work:
+        return _run(work)
+
+
+def _run(work: Path) -> int:
     import openai
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     model = str(make_tiny_model("llama", work / "llama"))
     print(f"model {model} (tiny llama, random real weights); logs in {work}", flush=True)
     servers: list[Server] = []

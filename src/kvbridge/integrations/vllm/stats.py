@@ -8,7 +8,10 @@ Prometheus form (:class:`KVBridgePromMetrics`, on the server's ``/metrics``)::
     vllm:kvbridge_load_failures_total{cause}    failed loads by error type
     vllm:kvbridge_transferred_bytes_total       bytes moved into D
     vllm:kvbridge_descriptors_total             runs posted to the transport
-    vllm:kvbridge_load_seconds                  load time, queue to verified (histogram)
+    vllm:kvbridge_load_seconds                  load time, queue to verified (histogram;
+                                                loads done only)
+    vllm:kvbridge_failed_load_seconds{cause}    time from queue to the failure of each
+                                                failed load, e.g. a timeout (histogram)
     vllm:kvbridge_load_stage_seconds{stage}     queue, handshake, lease, plan, post,
                                                 transfer, verify (histogram)
     vllm:kvbridge_leases_total{end}             P: leases ended (done: every D rank
@@ -22,6 +25,7 @@ Prometheus form (:class:`KVBridgePromMetrics`, on the server's ``/metrics``)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -102,7 +106,7 @@ class KVBridgeStats(KVConnectorStats):
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine: Any):
         super().__init__(vllm_config, metric_types, labelnames, per_engine)
-        c, h = self._counter_cls, self._histogram_cls
+        c, h = self._counter_cls, functools.partial(self._histogram_cls, buckets=_BUCKETS)
         self.loads = c(
             name="vllm:kvbridge_loads",
             documentation="KV loads finished, per D rank.",
@@ -131,13 +135,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self.seconds = h(
             name="vllm:kvbridge_load_seconds",
             documentation="Load time, queued to verified.",
-            buckets=_BUCKETS,
             labelnames=labelnames,
+        )
+        self.failed_seconds = h(
+            name="vllm:kvbridge_failed_load_seconds",
+            documentation="Time to the failure of failed loads, queued to failed, by cause.",
+            labelnames=[*labelnames, "cause"],
         )
         self.stages = h(
             name="vllm:kvbridge_load_stage_seconds",
             documentation="Time per load stage.",
-            buckets=_BUCKETS,
             labelnames=[*labelnames, "stage"],
         )
         self.leases = c(
@@ -157,6 +164,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """A failed load's time goes to its own histogram, not to ``load_seconds`` under
+        an ``outcome`` label: a new label would change that metric's series and break
+        queries and dashboards built on it."""
         lv = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for name, n in transfer_stats_data.get("events", {}).items():
             if name.startswith("lease_"):
@@ -170,6 +180,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             self.loads.labels(*lv, "ok" if o["ok"] else "failed").inc()
             if not o["ok"]:
                 self.failures.labels(*lv, o["cause"] or "unknown").inc()
+                self.failed_seconds.labels(*lv, o["cause"] or "unknown").observe(o["seconds"])
                 continue
             self.movers.labels(*lv, o.get("mover") or "unknown").inc()
             self.bytes.labels(*lv).inc(o["bytes"])
