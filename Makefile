@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export UCX_MODULES := ^ib
 export NIXL_LOG_LEVEL := WARN
 
-.PHONY: test demo demo-vllm lint typecheck pytest bench clean
+.PHONY: test test-fast demo demo-vllm lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,7 +35,6 @@ test: lint typecheck pytest
 
 # day-to-day: the same lint and typecheck, then tests/unit only (a few minutes; no NIXL
 # processes, reference-engine e2e or vLLM engines; `make test` runs those)
-.PHONY: test-fast
 test-fast: lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 

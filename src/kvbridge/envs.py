@@ -49,6 +49,20 @@ def triton_copies() -> bool:
 
 
 def log_level() -> str:
-    """``KVBRIDGE_LOG_LEVEL`` (default "INFO"): level of the ``kvbridge`` logger inside a
-    vLLM engine (:func:`kvbridge.integrations.vllm.config.setup_logging`)."""
-    return os.environ.get("KVBRIDGE_LOG_LEVEL", "INFO").strip().upper()
+    """``KVBRIDGE_LOG_LEVEL`` (default: vLLM's ``VLLM_LOGGING_LEVEL``, else "INFO"): level
+    of the ``kvbridge`` logger inside a vLLM engine
+    (:func:`kvbridge.integrations.vllm.config.setup_logging`)."""
+    default = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
+    return os.environ.get("KVBRIDGE_LOG_LEVEL", default).strip().upper()
+
+
+def vllm_log_stream() -> str:
+    """vLLM's ``VLLM_LOGGING_STREAM`` (default ``ext://sys.stdout``, as in vLLM): where
+    kvbridge's lines go inside a vLLM engine."""
+    return os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stdout").strip()
+
+
+def vllm_configures_logging() -> bool:
+    """vLLM's ``VLLM_CONFIGURE_LOGGING`` (default "1"); "0": vLLM sets up no logging, and
+    neither does kvbridge."""
+    return os.environ.get("VLLM_CONFIGURE_LOGGING", "1").strip() != "0"

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvbridge.cli.json_out import dumps, finite
+from kvbridge.jsonio import dumps, finite
 
 
 def strict(text: str) -> object:

@@ -1,5 +1,5 @@
-"""``make demo-vllm``'s work folder: a temporary one is removed at the end, error
-included, unless ``--keep``; a ``--workdir`` is never removed."""
+"""``make demo-vllm``'s work folder: a temporary one is removed after a successful run
+unless ``--keep``, kept when the run fails; a ``--workdir`` is never removed."""
 
 from __future__ import annotations
 
@@ -8,46 +8,86 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm.demo import workdir
+from kvbridge.integrations.vllm.demo import run_in
 
 
-def _fill(work: Path) -> None:
+def _fill(work: Path, rc: int = 0) -> int:
     (work / "llama").mkdir()
     (work / "llama" / "model.safetensors").write_bytes(b"x" * 4096)
     (work / "p.log").write_text("log\n")
+    return rc
 
 
-def test_temporary_folder_is_removed() -> None:
-    with workdir(None, keep=False) as work:
-        _fill(work)
-        assert work.is_dir()
-    assert not work.exists()
-
-
-def test_temporary_folder_is_removed_on_error() -> None:
+def test_temporary_folder_is_removed_after_success(capsys: pytest.CaptureFixture[str]) -> None:
     seen: list[Path] = []
-    with pytest.raises(RuntimeError), workdir(None, keep=False) as work:
+    assert run_in(None, False, lambda w: seen.append(w) or _fill(w)) == 0
+    assert not seen[0].exists()
+    assert "kept" not in capsys.readouterr().out
+
+
+def test_temporary_folder_is_kept_when_the_run_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A mismatch or a dead server returns 1: the logs stay, and the folder is named."""
+    seen: list[Path] = []
+    assert run_in(None, False, lambda w: seen.append(w) or _fill(w, rc=1)) == 1
+    try:
+        assert (seen[0] / "p.log").read_text() == "log\n"
+        assert f"kept {seen[0]}" in capsys.readouterr().out
+    finally:
+        shutil.rmtree(seen[0])
+
+
+def test_temporary_folder_is_kept_when_the_run_raises(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seen: list[Path] = []
+
+    def run(work: Path) -> int:
         seen.append(work)
         _fill(work)
-        raise RuntimeError("server failed")
+        raise SystemExit("demo: server did not answer")
+
+    with pytest.raises(SystemExit):
+        run_in(None, False, run)
+    try:
+        assert (seen[0] / "p.log").exists()
+        assert f"kept {seen[0]}" in capsys.readouterr().out
+    finally:
+        shutil.rmtree(seen[0])
+
+
+def test_temporary_folder_is_removed_on_ctrl_c() -> None:
+    seen: list[Path] = []
+
+    def run(work: Path) -> int:
+        seen.append(work)
+        _fill(work)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_in(None, False, run)
     assert not seen[0].exists()
 
 
 def test_keep_leaves_the_folder(capsys: pytest.CaptureFixture[str]) -> None:
-    with workdir(None, keep=True) as work:
-        _fill(work)
+    seen: list[Path] = []
+    assert run_in(None, True, lambda w: seen.append(w) or _fill(w)) == 0
     try:
-        assert (work / "p.log").read_text() == "log\n"
-        assert f"kept {work}" in capsys.readouterr().out
+        assert (seen[0] / "p.log").read_text() == "log\n"
+        assert f"kept {seen[0]}" in capsys.readouterr().out
     finally:
-        shutil.rmtree(work)
+        shutil.rmtree(seen[0])
 
 
 def test_given_workdir_is_never_removed(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError), workdir(tmp_path, keep=False) as work:
+    def run(work: Path) -> int:
         assert work == tmp_path
         _fill(work)
         raise RuntimeError("server failed")
+
+    with pytest.raises(RuntimeError):
+        run_in(tmp_path, False, run)
     assert (tmp_path / "p.log").exists()
 
 

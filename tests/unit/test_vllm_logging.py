@@ -1,10 +1,12 @@
-"""kvbridge's log lines inside a vLLM engine: one handler, vLLM's layout, INFO shown."""
+"""kvbridge's log lines inside a vLLM engine: one handler, vLLM's layout, stream and level."""
 
 from __future__ import annotations
 
 import io
 import logging
 import os
+import re
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +21,9 @@ def bare(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
     afterwards. Each test then hides pytest's root handlers (added after fixtures run)."""
     logger = logging.getLogger("kvbridge")
     saved = (list(logger.handlers), logger.level, logger.propagate)
-    monkeypatch.delenv("KVBRIDGE_LOG_LEVEL", raising=False)
+    for name in ("KVBRIDGE_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     logger.handlers = []
     yield logger
     logger.handlers, logger.level, logger.propagate = saved[0], saved[1], saved[2]
@@ -47,8 +51,68 @@ def test_info_line_has_level_time_and_process(
     logging.getLogger("kvbridge.integrations.vllm.worker").info("loaded %d blocks", 7)
     lines = out.getvalue().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith("INFO ")
-    assert f"/{os.getpid()}] kvbridge.integrations.vllm.worker: loaded 7 blocks" in lines[0]
+    assert re.fullmatch(
+        rf"\(MainProcess pid={os.getpid()}\) INFO \d\d-\d\d \d\d:\d\d:\d\d "
+        r"\[kvbridge\.integrations\.vllm\.worker\] loaded 7 blocks",
+        lines[0],
+    ), lines[0]
+
+
+def test_process_name_is_vllms_when_it_set_one(
+    bare: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's record factory names the process (``EngineCore``); the line uses that name."""
+    _no_root_handler(monkeypatch)
+    out = io.StringIO()
+    setup_logging(out)
+    record = logging.LogRecord("kvbridge.x", logging.INFO, __file__, 1, "hi", None, None)
+    record.vllm_process_name = "EngineCore"
+    bare.handle(record)
+    assert out.getvalue().startswith(f"(EngineCore pid={os.getpid()}) INFO "), out.getvalue()
+
+
+@pytest.mark.parametrize(("value", "name"), [(None, "stdout"), ("ext://sys.stderr", "stderr")])
+def test_stream_is_vllms(
+    bare: logging.Logger, monkeypatch: pytest.MonkeyPatch, value: str | None, name: str
+) -> None:
+    """vLLM logs to stdout unless ``VLLM_LOGGING_STREAM`` says otherwise; so does kvbridge."""
+    _no_root_handler(monkeypatch)
+    if value is not None:
+        monkeypatch.setenv("VLLM_LOGGING_STREAM", value)
+    marker = io.StringIO()
+    monkeypatch.setattr(sys, name, marker)
+    setup_logging()
+    logging.getLogger("kvbridge.x").info("to %s", name)
+    assert marker.getvalue().endswith(f"] to {name}\n"), marker.getvalue()
+
+
+def test_bad_stream_is_refused(bare: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_root_handler(monkeypatch)
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.nowhere")
+    with pytest.raises(ConfigError, match="VLLM_LOGGING_STREAM"):
+        setup_logging()
+    assert bare.handlers == []
+
+
+def test_nothing_when_vllm_configures_no_logging(
+    bare: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_root_handler(monkeypatch)
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    monkeypatch.setenv("KVBRIDGE_LOG_LEVEL", "loud")  # not even read
+    setup_logging(io.StringIO())
+    assert bare.handlers == [] and bare.propagate
+
+
+def test_level_defaults_to_vllms(bare: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_root_handler(monkeypatch)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")
+    setup_logging(io.StringIO())
+    assert bare.level == logging.DEBUG
+    bare.handlers = []
+    monkeypatch.setenv("KVBRIDGE_LOG_LEVEL", "ERROR")
+    setup_logging(io.StringIO())
+    assert bare.level == logging.ERROR
 
 
 def test_level_from_env(bare: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:

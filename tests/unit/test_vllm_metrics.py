@@ -40,6 +40,7 @@ def test_failed_loads_have_their_own_histogram() -> None:
     assert reg.get_sample_value(failed + "_count", timeout) == 1
     assert reg.get_sample_value(failed + "_sum", timeout) == pytest.approx(10.2)
     assert reg.get_sample_value(failed + "_bucket", {**timeout, "le": "10.0"}) == 0
+    assert reg.get_sample_value(failed + "_bucket", {**timeout, "le": "15.0"}) == 1
     assert reg.get_sample_value(failed + "_bucket", {**timeout, "le": "+Inf"}) == 1
     mismatch = {**eng, "cause": "PromptMismatch"}
     assert reg.get_sample_value(failed + "_sum", mismatch) == pytest.approx(0.003)
@@ -54,3 +55,16 @@ def test_failure_without_a_cause_is_counted_unknown() -> None:
     reg = _observe(Outcome("a", False, seconds=0.5))
     labels = {"engine": "0", "cause": "unknown"}
     assert reg.get_sample_value("vllm:kvbridge_failed_load_seconds_count", labels) == 1
+
+
+def test_load_refused_before_queueing_is_counted_not_timed() -> None:
+    """The worker's refusals (bad handle, prompt mismatch) carry no time and no stages:
+    they are no 0 s sample in ``failed_load_seconds``, which times queue to failure."""
+    reg = _observe(
+        Outcome("r", False, error="PromptMismatch: digest differs"),
+        Outcome("q", False, seconds=0.2, stages={"queue": 0.2}, error="PromptMismatch: late"),
+    )
+    labels = {"engine": "0", "cause": "PromptMismatch"}
+    assert reg.get_sample_value("vllm:kvbridge_load_failures_total", labels) == 2
+    assert reg.get_sample_value("vllm:kvbridge_failed_load_seconds_count", labels) == 1
+    assert reg.get_sample_value("vllm:kvbridge_failed_load_seconds_sum", labels) == 0.2

@@ -24,7 +24,7 @@ from typing import Any
 from kvbridge.bench import trace_report
 from kvbridge.bench.trace_case import Case, model_spec, sizing
 from kvbridge.bench.trace_worker import CaseResult, d_main, p_main
-from kvbridge.cli.json_out import dumps
+from kvbridge.jsonio import dumps
 
 MODELS = ("llama-3.1-8b", "jamba-1.5-mini")
 TP_PAIRS = ((1, 1), (1, 2), (2, 1))

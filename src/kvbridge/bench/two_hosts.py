@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.cli.json_out import dumps
+from kvbridge.jsonio import dumps
 from kvbridge.testing.netns import Hosts, enter, unavailable
 
 PORT = 47111

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
         rows = run_all(quick=args.quick, progress=say)
     if args.json:
-        from kvbridge.cli.json_out import dumps
+        from kvbridge.jsonio import dumps
 
         print(dumps(rows))
     else:

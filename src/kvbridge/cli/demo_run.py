@@ -18,7 +18,6 @@ from kvbridge.api import SideConfig
 from kvbridge.cli.args import SideSpec, side
 from kvbridge.cli.demo_cmd import DEFAULT_DECODE, DEFAULT_PREFILL, QUICK
 from kvbridge.cli.demo_report import Row, Summary, render_json, render_text
-from kvbridge.cli.json_out import dumps
 from kvbridge.cli.plan_report import human
 from kvbridge.connector.consumer import Mode
 from kvbridge.engine import ModelConfig, encode, generate, model_spec, preset
@@ -26,6 +25,7 @@ from kvbridge.engine.model import Model
 from kvbridge.engine.ops import Shard
 from kvbridge.engine.pd import DecodeServer, PrefillServer, Router
 from kvbridge.errors import ConfigError, SpecError
+from kvbridge.jsonio import dumps
 from kvbridge.spec.parallel import Parallel
 
 PROMPTS = (

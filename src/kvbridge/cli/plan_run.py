@@ -9,10 +9,10 @@ import time
 from dataclasses import replace
 
 from kvbridge.cli.args import SideSpec
-from kvbridge.cli.json_out import dumps
 from kvbridge.cli.plan_guards import Estimate, context_length, estimate
 from kvbridge.cli.plan_report import Report, human, render_json, render_text
 from kvbridge.errors import ConfigError, SpecError
+from kvbridge.jsonio import dumps
 from kvbridge.layout.side import SideConfig
 from kvbridge.plan.dry_run import RankPlan, dry_run
 from kvbridge.spec.dtypes import DType, parse_dtype

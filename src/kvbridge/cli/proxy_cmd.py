@@ -16,7 +16,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "D server with P's kv_transfer_params. Serves /v1/completions, /v1/chat/completions "
         "(streaming too), /v1/models, /health and /metrics (Prometheus). A P or D server "
         "that is down answers 502 (504 after a timeout) with an OpenAI-style error "
-        '{"error": {"message", "type", "code", "backend": URL}}; one log line each.',
+        '{"error": {"message", "type", "code", "backend": URL}}; one log line each. A D '
+        "server failing mid-stream ends the stream with that error as an SSE event and a "
+        "cut connection (never a complete-looking answer).",
     )
     p.add_argument(
         "--prefill",

@@ -12,11 +12,13 @@ original request and sent to a D server, whose reply (streamed or not) is the an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +29,7 @@ from kvbridge.serve.metrics import ProxyMetrics
 log = logging.getLogger(__name__)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 MAX_BODY = 8 << 20
+T = TypeVar("T")
 
 
 class BackendError(Exception):
@@ -43,10 +46,13 @@ def describe(e: BaseException) -> str:
     if isinstance(e, TimeoutError):
         return "timed out"
     if isinstance(e, aiohttp.ClientConnectorError):
-        errno = e.os_error.errno
-        return f"unreachable ({os.strerror(errno) if errno else e.os_error})"
+        err = e.os_error  # a DNS failure's errno is negative (a getaddrinfo code)
+        why = os.strerror(err.errno) if err.errno and err.errno > 0 else None
+        return f"unreachable ({why or err.strerror or err})"
     if isinstance(e, aiohttp.ServerDisconnectedError):
         return "closed the connection"
+    if isinstance(e, aiohttp.ClientPayloadError):
+        return "cut its reply short"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
@@ -54,6 +60,20 @@ def failed(role: str, url: str, e: BaseException) -> BackendError:
     """The client's answer to a failed call: 504 for a timeout, else 502."""
     status = 504 if isinstance(e, TimeoutError) else 502
     return BackendError(status, f"{role} server {url}: {describe(e)}", url)
+
+
+class _Cut(Exception):
+    """D failed after the stream's headers went out to the client."""
+
+    def __init__(self, out: web.StreamResponse, e: BackendError):
+        super().__init__(str(e))
+        self.out, self.error = out, e
+
+
+def _error_body(e: BackendError) -> dict[str, Any]:
+    """The OpenAI-style error the client gets, naming the backend that failed."""
+    err = {"message": str(e), "type": "kvbridge_proxy_error", "code": e.status}
+    return {"error": {**err, "backend": e.backend}}
 
 
 class Proxy:
@@ -97,6 +117,12 @@ class Proxy:
             return self._error(route, BackendError(400, f"malformed JSON: {e}"))
         except BackendError as e:
             return self._error(route, e)
+        except _Cut as cut:
+            return await self._cut(request, route, cut)
+        except ConnectionError as e:  # the client's own connection, not a backend's
+            self.metrics.requests.labels(route, "client_closed").inc()
+            log.info("%s: the client closed the connection (%s)", route, e)
+            return web.Response()
         self.metrics.requests.labels(route, "ok").inc()
         self.metrics.stage.labels("total").observe(time.perf_counter() - t0)
         return resp
@@ -105,8 +131,19 @@ class Proxy:
         """An OpenAI-style JSON error naming the backend that failed; one log line."""
         self.metrics.requests.labels(route, "error").inc()
         log.warning("%s -> %d: %s", route, e.status, e)
-        err = {"message": str(e), "type": "kvbridge_proxy_error", "code": e.status}
-        return web.json_response({"error": {**err, "backend": e.backend}}, status=e.status)
+        return web.json_response(_error_body(e), status=e.status)
+
+    async def _cut(self, request: web.Request, route: str, cut: _Cut) -> web.StreamResponse:
+        """D failed mid-stream: an SSE error event, then the connection is closed before
+        the stream's last chunk, so the client never takes the answer for complete."""
+        self.metrics.requests.labels(route, "error").inc()
+        log.warning("%s: stream cut, %s", route, cut.error)
+        event = b"data: " + json.dumps(_error_body(cut.error)).encode() + b"\n\n"
+        with contextlib.suppress(ConnectionError):  # the client may be gone too
+            await cut.out.write(event)
+        if request.transport is not None:
+            request.transport.close()  # sends what is buffered, never the closing chunk
+        return cut.out
 
     async def _prefill(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         req = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
@@ -114,12 +151,13 @@ class Proxy:
         if "max_completion_tokens" in req:
             req["max_completion_tokens"] = 1
         backend = self.p.pick()
-        async with self._call(backend, "prefill", route, req) as resp:
+        async with self._call(backend, "prefill", route, req) as call:
+            resp = call.resp
             if resp.status != 200:
-                why = _reason(await resp.text())
+                why = _reason(await call.read(resp.text()))
                 msg = f"prefill server {backend.url} answered {resp.status}: {why}"
                 raise BackendError(resp.status, msg, backend.url)
-            reply = await resp.json()
+            reply = await call.read(resp.json())
         params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
         if not isinstance(params, dict):
             self.metrics.backend_errors.labels("prefill", "no_handle").inc()
@@ -132,30 +170,35 @@ class Proxy:
     ) -> web.StreamResponse:
         backend = self.d.pick()
         t1 = time.perf_counter()
-        async with self._call(backend, "decode", route, body) as resp:
+        async with self._call(backend, "decode", route, body) as call:
+            resp = call.resp
             if not body.get("stream"):
-                data = await resp.read()
+                data = await call.read(resp.read())
                 self.metrics.ttft.observe(time.perf_counter() - t0)
                 self.metrics.stage.labels("decode").observe(time.perf_counter() - t1)
                 return web.Response(body=data, status=resp.status, content_type=resp.content_type)
-            out = web.StreamResponse(status=resp.status)
-            out.content_type = resp.content_type
-            await out.prepare(request)
-            first = True
-            try:
-                async for chunk in resp.content.iter_any():
-                    if first:
-                        self.metrics.ttft.observe(time.perf_counter() - t0)
-                        first = False
-                    await out.write(chunk)
-            except (TimeoutError, aiohttp.ClientError) as e:  # headers sent: cut the stream
-                log.warning("%s: stream cut, %s", route, failed("decode", backend.url, e))
-                return out
-            await out.write_eof()
-            self.metrics.stage.labels("decode").observe(time.perf_counter() - t1)
-            return out
+            out = await self._stream(request, call, t0)
+        self.metrics.stage.labels("decode").observe(time.perf_counter() - t1)
+        return out
 
-    def _call(self, b: Backend, role: str, route: str, body: dict[str, Any] | None) -> Any:
+    async def _stream(self, request: web.Request, call: _Tracked, t0: float) -> web.StreamResponse:
+        """Relay D's streamed reply; D failing once the headers are out raises :class:`_Cut`."""
+        out = web.StreamResponse(status=call.resp.status)
+        out.content_type = call.resp.content_type
+        await out.prepare(request)
+        first = True
+        try:
+            while chunk := await call.read(call.resp.content.readany()):
+                if first:
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                    first = False
+                await out.write(chunk)
+        except BackendError as e:
+            raise _Cut(out, e) from None
+        await out.write_eof()
+        return out
+
+    def _call(self, b: Backend, role: str, route: str, body: dict[str, Any] | None) -> _Tracked:
         """POST ``body`` to ``b`` (GET when ``body`` is None), tracked."""
         assert self.session is not None
         url = b.url + route
@@ -187,43 +230,58 @@ class Proxy:
     async def models(self, request: web.Request) -> web.Response:
         b = self.d.pick()
         try:
-            async with self._call(b, "decode", "/v1/models", None) as r:
-                data = await r.read()
-                return web.Response(body=data, status=r.status, content_type=r.content_type)
+            async with self._call(b, "decode", "/v1/models", None) as call:
+                data = await call.read(call.resp.read())
         except BackendError as e:
             return self._error(request.path, e)
+        self.metrics.requests.labels(request.path, "ok").inc()
+        return web.Response(body=data, status=call.resp.status, content_type=call.resp.content_type)
 
 
 class _Tracked:
-    """``async with``: one call to a backend, counted in flight and in errors."""
+    """``async with``: one call to a backend, counted in flight and in errors. Only the
+    connection and what :meth:`read` awaits are the backend's; errors of the client's
+    own connection inside the block pass through unchanged."""
+
+    resp: aiohttp.ClientResponse
 
     def __init__(self, proxy: Proxy, b: Backend, role: str, ctx: Any):
         self.proxy, self.b, self.role, self.ctx = proxy, b, role, ctx
+        self.bad = False
 
-    async def __aenter__(self) -> aiohttp.ClientResponse:
+    async def __aenter__(self) -> _Tracked:
         self.b.in_flight += 1
         self.proxy.metrics.in_flight.labels(self.role, self.b.url).set(self.b.in_flight)
         try:
-            resp: aiohttp.ClientResponse = await self.ctx.__aenter__()
+            self.resp = await self.ctx.__aenter__()
         except (TimeoutError, aiohttp.ClientError) as e:
-            self._done(failed=True)
-            self.proxy.metrics.backend_errors.labels(self.role, type(e).__name__).inc()
-            raise failed(self.role, self.b.url, e) from None
-        return resp
+            error = self._fail(e)
+            self._done()
+            raise error from None
+        return self
+
+    async def read(self, aw: Awaitable[T]) -> T:
+        """Await a read of the backend's reply; a timeout, lost connection or malformed
+        JSON becomes a :class:`BackendError` naming the backend."""
+        try:
+            return await aw
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            raise self._fail(e) from None
 
     async def __aexit__(self, *exc: Any) -> None:
-        """A timeout or lost connection while reading the reply becomes a BackendError."""
-        self._done(failed=exc[0] is not None)
+        self.bad = self.bad or isinstance(exc[1], BackendError)
+        self._done()
         await self.ctx.__aexit__(*exc)
-        e = exc[1]
-        if isinstance(e, (TimeoutError, aiohttp.ClientError)):
-            self.proxy.metrics.backend_errors.labels(self.role, type(e).__name__).inc()
-            raise failed(self.role, self.b.url, e) from None
 
-    def _done(self, failed: bool) -> None:
+    def _fail(self, e: BaseException) -> BackendError:
+        self.bad = True
+        self.proxy.metrics.backend_errors.labels(self.role, type(e).__name__).inc()
+        return failed(self.role, self.b.url, e)
+
+    def _done(self) -> None:
         self.b.in_flight -= 1
         self.b.served += 1
-        self.b.failed += int(failed)
+        self.b.failed += int(self.bad)
         self.proxy.metrics.in_flight.labels(self.role, self.b.url).set(self.b.in_flight)
 
 
@@ -237,9 +295,10 @@ def _reason(text: str) -> str:
 
 
 def listening(host: str, port: int, prefill: list[str], decode: list[str]) -> str:
-    """The line the proxy prints once it listens."""
+    """The line the proxy prints once it listens (an IPv6 address in brackets)."""
+    addr = f"[{host}]" if ":" in host else host
     return (
-        f"kvbridge proxy listening on http://{host}:{port}"
+        f"kvbridge proxy listening on http://{addr}:{port}"
         f" (prefill: {', '.join(prefill)}; decode: {', '.join(decode)})"
     )
 

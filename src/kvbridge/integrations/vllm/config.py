@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import logging.config
 import os
 from dataclasses import dataclass
 from typing import IO, Any
@@ -35,26 +36,60 @@ from kvbridge.api import ConfigError, Keys, transport_names
 
 log = logging.getLogger(__name__)
 
-LOG_FORMAT = "%(levelname)s %(asctime)s [%(processName)s/%(process)d] %(name)s: %(message)s"
-"""vLLM's line layout, with the process name and id of the engine process or worker."""
+LOG_FORMAT = (
+    "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s"
+)
+"""vLLM's line layout (its ``_FORMAT``), with the logger's name where vLLM puts file:line."""
+
+LOG_DATEFMT = "%m-%d %H:%M:%S"
+"""vLLM's ``_DATE_FORMAT``."""
+
+
+class _Formatter(logging.Formatter):
+    """:data:`LOG_FORMAT`; the process name is vLLM's (``EngineCore``, ``Worker_TP0``),
+    set by vLLM's record factory, or else Python's."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not hasattr(record, "vllm_process_name"):
+            record.vllm_process_name = record.processName
+        return super().format(record)
+
+
+def log_stream() -> IO[str]:
+    """The stream vLLM logs to: ``VLLM_LOGGING_STREAM`` (``ext://sys.stdout`` by default,
+    or ``ext://sys.stderr``, any ``ext://`` object), resolved now."""
+    name = envs.vllm_log_stream()
+    if not name.startswith("ext://"):
+        raise ConfigError(
+            f"VLLM_LOGGING_STREAM={name!r}: expected ext://sys.stdout or ext://sys.stderr"
+        )
+    try:
+        stream: IO[str] = logging.config.BaseConfigurator({}).resolve(name[len("ext://") :])
+    except ValueError as e:
+        raise ConfigError(f"VLLM_LOGGING_STREAM={name!r}: {e}") from None
+    return stream
 
 
 def setup_logging(stream: IO[str] | None = None) -> None:
-    """Give the ``kvbridge`` logger a handler (``stream``, default stderr) in
-    :data:`LOG_FORMAT` at ``KVBRIDGE_LOG_LEVEL`` (INFO), not propagated, so its lines are
-    printed once. vLLM configures only its own logger: without this, kvbridge's records
-    reach Python's last-resort handler (WARNING and up, message only). Does nothing if
-    the ``kvbridge`` logger already has a handler (a second connector object) or the root
+    """Give the ``kvbridge`` logger a handler (``stream``, default vLLM's, see
+    :func:`log_stream`) in :data:`LOG_FORMAT` at ``KVBRIDGE_LOG_LEVEL`` (default vLLM's
+    ``VLLM_LOGGING_LEVEL``, else INFO), not propagated, so its lines are printed once.
+    Runs where the connector object is built (engine core, workers). vLLM configures only
+    its own logger: without this, kvbridge's records reach Python's last-resort handler
+    (WARNING and up, message only). Does nothing if ``VLLM_CONFIGURE_LOGGING=0``, if the
+    ``kvbridge`` logger already has a handler (a second connector object) or the root
     logger has one (the process set logging up itself: pytest, ``kvbridge proxy``)."""
     logger = logging.getLogger("kvbridge")
-    if logger.handlers or logging.getLogger().handlers:
+    if not envs.vllm_configures_logging() or logger.handlers or logging.getLogger().handlers:
         return
     name = envs.log_level()
     level = logging.getLevelNamesMapping().get(name)
     if level is None:
-        raise ConfigError(f"KVBRIDGE_LOG_LEVEL={name!r}: not a level (DEBUG, INFO, WARNING, …)")
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%m-%d %H:%M:%S"))
+        raise ConfigError(
+            f"KVBRIDGE_LOG_LEVEL (or VLLM_LOGGING_LEVEL)={name!r}: not a level (DEBUG, INFO, …)"
+        )
+    handler = logging.StreamHandler(stream if stream is not None else log_stream())
+    handler.setFormatter(_Formatter(LOG_FORMAT, datefmt=LOG_DATEFMT))
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False

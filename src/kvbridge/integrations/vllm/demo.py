@@ -5,14 +5,14 @@ kvbridge connector, ``kvbridge proxy`` in front, a few requests through the offi
 
     python -m kvbridge.integrations.vllm.demo [--workdir DIR] [--keep]
 
-Without ``--workdir`` the model and logs go to a temporary folder, removed at the end
-(also on error or Ctrl-C) unless ``--keep`` is given. A ``--workdir`` is never removed.
+Without ``--workdir`` the model and logs go to a temporary folder, removed after a
+successful run (or Ctrl-C) unless ``--keep`` is given, and kept, with its logs, when the
+run fails. A ``--workdir`` is never removed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import socket
 import subprocess
@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbridge.integrations.vllm.models import make_tiny_model
@@ -50,18 +50,23 @@ def _wait(url: str, timeout_s: float = 30.0) -> None:
     raise SystemExit(f"demo: {url} did not answer in {timeout_s} s")
 
 
-@contextlib.contextmanager
-def workdir(given: Path | None, keep: bool) -> Iterator[Path]:
-    """``given``, left in place; else a new temporary folder, removed on exit (error
-    included) unless ``keep``."""
+def run_in(given: Path | None, keep: bool, run: Callable[[Path], int]) -> int:
+    """``run(folder)``'s exit code, in ``given`` (left in place) or a new temporary
+    folder, removed when ``run`` returns 0 (or on Ctrl-C) unless ``keep``; kept, and
+    said so, when ``run`` raises or returns non-zero, so its logs can be read."""
     if given is not None:
-        yield given
-        return
+        return run(given)
     work = Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
+    failed = True
     try:
-        yield work
+        rc = run(work)
+        failed = rc != 0
+        return rc
+    except KeyboardInterrupt:
+        failed = False
+        raise
     finally:
-        if keep:
+        if keep or failed:
             print(f"kept {work}", flush=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
@@ -72,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="model and logs (default: temp)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder at the end")
     args = ap.parse_args(argv)
-    with workdir(args.workdir, args.keep) as work:
-        return _run(work)
+    return run_in(args.workdir, args.keep, _run)
 
 
 def _run(work: Path) -> int:

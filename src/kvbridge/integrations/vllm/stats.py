@@ -11,7 +11,9 @@ Prometheus form (:class:`KVBridgePromMetrics`, on the server's ``/metrics``)::
     vllm:kvbridge_load_seconds                  load time, queue to verified (histogram;
                                                 loads done only)
     vllm:kvbridge_failed_load_seconds{cause}    time from queue to the failure of each
-                                                failed load, e.g. a timeout (histogram)
+                                                failed load, e.g. a timeout (histogram,
+                                                to 300 s; loads refused before they
+                                                were queued are counted, not timed)
     vllm:kvbridge_load_stage_seconds{stage}     queue, handshake, lease, plan, post,
                                                 transfer, verify (histogram)
     vllm:kvbridge_leases_total{end}             P: leases ended (done: every D rank
@@ -38,6 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvbridge.api import Outcome
 
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+_FAILED_BUCKETS = [*_BUCKETS, 15.0, 30.0, 60.0, 120.0, 300.0]
+"""A failure often comes at a deadline (``timeout_s``, 10 s by default) or later."""
 
 
 def observation(out: Outcome) -> dict[str, Any]:
@@ -137,7 +141,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             documentation="Load time, queued to verified.",
             labelnames=labelnames,
         )
-        self.failed_seconds = h(
+        self.failed_seconds = self._histogram_cls(
+            buckets=_FAILED_BUCKETS,
             name="vllm:kvbridge_failed_load_seconds",
             documentation="Time to the failure of failed loads, queued to failed, by cause.",
             labelnames=[*labelnames, "cause"],
@@ -166,7 +171,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """A failed load's time goes to its own histogram, not to ``load_seconds`` under
         an ``outcome`` label: a new label would change that metric's series and break
-        queries and dashboards built on it."""
+        queries and dashboards built on it. A load refused before it was queued (bad
+        handle, prompt mismatch: 0 s, no stages) is counted but not timed."""
         lv = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for name, n in transfer_stats_data.get("events", {}).items():
             if name.startswith("lease_"):
@@ -180,7 +186,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             self.loads.labels(*lv, "ok" if o["ok"] else "failed").inc()
             if not o["ok"]:
                 self.failures.labels(*lv, o["cause"] or "unknown").inc()
-                self.failed_seconds.labels(*lv, o["cause"] or "unknown").observe(o["seconds"])
+                if o["seconds"] or o["stages"]:  # it was queued
+                    cause = o["cause"] or "unknown"
+                    self.failed_seconds.labels(*lv, cause).observe(o["seconds"])
                 continue
             self.movers.labels(*lv, o.get("mover") or "unknown").inc()
             self.bytes.labels(*lv).inc(o["bytes"])

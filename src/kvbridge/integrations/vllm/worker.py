@@ -140,6 +140,7 @@ class WorkerSide:
                     raise
             except KVBridgeError as e:
                 log.error("kvbridge: request %s cannot load: %s", job.request_id, e)
+                # never queued: 0 s and no stages, so counted but not timed (stats.py)
                 self._failed.append(
                     Outcome(job.request_id, False, error=f"{type(e).__name__}: {e}")
                 )

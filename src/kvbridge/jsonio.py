@@ -1,4 +1,5 @@
-"""The ``--json`` writer of every command: strict JSON, a missing figure as ``null``."""
+"""The ``--json`` writer of every command and benchmark: strict JSON, a missing figure as
+``null``."""
 
 from __future__ import annotations
 
