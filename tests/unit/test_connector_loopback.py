@@ -28,6 +28,7 @@ from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
 from kvbridge.testing.reference import expected_dest, fill_source
 from kvbridge.testing.scenario import Side, random_tables
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.support.stalling import StallingLoopback
 
 SECRET = b"test-secret"
 LAYERS = [attention(0, 4, 16), attention(1, 4, 16, kind=Kind.SLIDING, window=9), mla(2, 24)]
@@ -64,7 +65,7 @@ class World:
         d_keys: Keys | None = None,
         memory: tuple[MemKind, MemKind] = (MemKind.HOST, MemKind.HOST),
         p_memory: Callable[[int], np.ndarray] | None = None,
-        d_transport: type[LoopbackTransport] = LoopbackTransport,
+        d_transport: type[LoopbackTransport] = StallingLoopback,
     ):
         """``p_memory``: how P's regions are allocated (bytes → uint8 array; default numpy)."""
         self.rng = np.random.default_rng(7)
@@ -78,7 +79,7 @@ class World:
         self.producer = Producer("P", SPEC, self.p.par, SECRET, lease_s=lease_s, keys=p_keys)
         self.workers: list[ProducerWorker] = []
         for r in range(p_tp):
-            agent = LoopbackTransport(f"p{r}", self.fabric)
+            agent = StallingLoopback(f"p{r}", self.fabric)
             bases = list(self.p.bound(r).bases)
             push = (SECRET, "127.0.0.1", timeout_s) if mode is not Mode.PULL else (None,)
             worker = ProducerWorker(

@@ -1,7 +1,7 @@
 """A failed load is reported only once none of its bytes can land (the fence).
 
-The loopback transport's ``stall(peer)`` keeps transfers with that peer pending, and
-``resume`` lands them late, as a stopped P rank or a cut link does over TCP (measured
+The test loopback transport's ``stall(peer)`` keeps transfers with that peer pending,
+and ``resume`` lands them late, as a stopped P rank or a cut link does over TCP (measured
 with NIXL: releasing or removing the peer does not stop a READ). Before the fence, D
 reported these loads failed at the deadline and the late bytes then overwrote blocks
 the engine had been told were free.
@@ -19,14 +19,15 @@ from kvbridge.connector.fence import Fence, Held
 from kvbridge.control.messages import PushFence, PushRuns
 from kvbridge.errors import PeerError
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.support.stalling import StallingLoopback
 from tests.unit.test_connector_loopback import SECRET, World
 
 SCRIBBLE = 0xAB
 
 
-def d_transport(w: World) -> LoopbackTransport:
+def d_transport(w: World) -> StallingLoopback:
     t = w.consumers[0].transport
-    assert isinstance(t, LoopbackTransport)
+    assert isinstance(t, StallingLoopback)
     return t
 
 
@@ -39,7 +40,7 @@ def untouched(w: World) -> bool:
     return all(bool((b == SCRIBBLE).all()) for b in w.d.bufs[0])
 
 
-def stall_then_resume(w: World, stalled: list[LoopbackTransport], peers: list[str]) -> None:
+def stall_then_resume(w: World, stalled: list[StallingLoopback], peers: list[str]) -> None:
     """Load a request while ``stalled`` hold transfers to ``peers``; check the outcome
     is held past the deadline, resume, then check it is delivered (failed) and that
     nothing lands in D's memory once the engine could reuse it."""
@@ -91,7 +92,7 @@ def test_push_failure_is_held_until_each_p_rank_says_its_writes_ended():
     w = World(timeout_s=0.3, mode=Mode.PUSH)
     try:
         writers = [wk.transport for wk in w.workers]
-        assert all(isinstance(t, LoopbackTransport) for t in writers)
+        assert all(isinstance(t, StallingLoopback) for t in writers)
         stall_then_resume(w, writers, ["d0"])  # type: ignore[arg-type]
     finally:
         w.close()

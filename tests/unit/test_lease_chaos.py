@@ -20,6 +20,7 @@ from kvbridge.control.messages import LeaseOp, LeaseReply, tables_digest
 from kvbridge.spec import Parallel, attention, group_by_kind
 from kvbridge.testing.scenario import Side
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.support.stalling import StallingLoopback
 from tests.unit.test_connector_loopback import SECRET
 
 TINY = group_by_kind("tiny", [attention(0, 2, 8)], 16)
@@ -51,7 +52,7 @@ class DSide:
         self.free = list(range(D_BLOCKS))
         self.consumer = Consumer(
             ENGINES[k], TINY, Parallel(1), 0, self.side.layouts[0],
-            list(self.side.bound(0).bases), LoopbackTransport(f"d{k}", fabric), SECRET,
+            list(self.side.bound(0).bases), StallingLoopback(f"d{k}", fabric), SECRET,
             staging_bytes=0, kernel=False, workers=2 * PER_WAVE,  # every load begins at once
         )  # fmt: skip
 

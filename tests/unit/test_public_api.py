@@ -52,6 +52,7 @@ ALLOWED = {
         "kvbridge.api",
         "kvbridge.engine",
         "kvbridge.harness",  # the rank-process harness (shared with kvbridge.testing)
+        "kvbridge.registry",  # the name-keyed table behind the mixers (engine/mixers.py)
         "kvbridge.testing.netns",  # two simulated hosts (tests, demo)
     ),
     "integrations": (

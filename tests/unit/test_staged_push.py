@@ -29,6 +29,7 @@ from kvbridge.spec import Parallel
 from kvbridge.testing.scenario import Side
 from kvbridge.transport.base import Region
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.support.stalling import StallingLoopback
 from tests.unit.test_connector_loopback import SECRET, SPEC, World, check_bytes
 
 SCRIBBLE = 0xAB
@@ -52,7 +53,7 @@ class HeadSplit(World):
         self.d.allocate(self.rng)
         self.fabric = Fabric()
         self.producer = Producer("P", SPEC, self.p.par, SECRET)
-        agent = LoopbackTransport("p0", self.fabric)
+        agent = StallingLoopback("p0", self.fabric)
         bases = list(self.p.bound(0).bases)
         lay = self.p.layouts[0]
         worker = ProducerWorker(
@@ -190,7 +191,7 @@ def test_a_stalled_p_holds_ds_slot_until_its_write_ended() -> None:
     w = HeadSplit(timeout_s=0.3)
     try:
         p = w.workers[0]
-        assert isinstance(p.transport, LoopbackTransport) and p.gather is not None
+        assert isinstance(p.transport, StallingLoopback) and p.gather is not None
         p.transport.stall("d0")
         p.transport.stall("d1")
         w.load("late")

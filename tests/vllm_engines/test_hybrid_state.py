@@ -29,10 +29,10 @@ from kvbridge.integrations.vllm.harness import (
     Engine,
     block_size,
     connector_totals,
-    scramble_state,
     ssm_state_itemsize,
 )
 from tests.vllm_engines.conftest import closing, pd, prompts, release_at_p, start_all
+from tests.vllm_engines.scramble import scramble_state
 
 pytestmark = pytest.mark.vllm
 

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from kvbridge.integrations.vllm.harness import Engine, connector_totals, scramble_cache
+from kvbridge.integrations.vllm.harness import Engine, connector_totals
 from tests.vllm_engines.conftest import pd, prompts
+from tests.vllm_engines.scramble import scramble_cache
 
 pytestmark = pytest.mark.vllm
 

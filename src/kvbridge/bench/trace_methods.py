@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.bench.nixl_prepped import prep as prep_list
+from kvbridge.bench.nixl_prepped import read_prepped
 from kvbridge.bench.trace_alloc import TraceRequest
 from kvbridge.bench.trace_vllm import VllmLike
 from kvbridge.connector.spans import Regions
@@ -142,9 +144,9 @@ def _prepped(ctx: DSide, req: TraceRequest, strided: bool) -> Timed:
         else:
             local, remote = rows3(r.dst, r.length), rows3(r.src, r.length)
         rows += local.shape[0] + remote.shape[0]
-        lists = (ctx.transport.prep("", local), ctx.transport.prep(agent, remote))
+        lists = (prep_list(ctx.transport, "", local), prep_list(ctx.transport, agent, remote))
         idx = np.arange(len(r), dtype=np.int32)
-        handles.append(ctx.transport.read_prepped(agent, lists, (idx, idx), r.nbytes))
+        handles.append(read_prepped(ctx.transport, agent, lists, (idx, idx), r.nbytes))
     ctx.wait(handles)
     runs = plan.descriptors
     return Timed(time.perf_counter() - t0, plan.nbytes, runs, plan_s, rows // 2, runs)
@@ -194,7 +196,7 @@ def vllm(ctx: DSide, req: TraceRequest) -> Timed:
     handles, descs, nbytes = [], 0, 0
     for src, (li, ri, n) in ctx.vllm.indices(p, d, req.tokens).items():
         handles.append(
-            ctx.transport.read_prepped(ctx.agents[src], ctx.vllm.lists[src], (li, ri), n)
+            read_prepped(ctx.transport, ctx.agents[src], ctx.vllm.lists[src], (li, ri), n)
         )
         descs, nbytes = descs + li.shape[0], nbytes + n
     ctx.wait(handles)

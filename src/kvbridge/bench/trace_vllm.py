@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.bench.nixl_prepped import prep
 from kvbridge.errors import PlanError
 from kvbridge.plan import Geometry
 from kvbridge.transport.nixl import NixlTransport
@@ -76,8 +77,8 @@ class VllmLike:
             raise PlanError(f"the vLLM-like lists would hold {rows} rows (limit {MAX_ROWS})")
         self.lists: dict[int, tuple[Any, Any]] = {}
         for src, (la, ll, ra, rl) in self.addrs.items():
-            local = transport.prep("", _rows(la, ll))
-            self.lists[src] = (local, transport.prep(agents[src], _rows(ra, rl)))
+            local = prep(transport, "", _rows(la, ll))
+            self.lists[src] = (local, prep(transport, agents[src], _rows(ra, rl)))
 
     def indices(
         self, p_tables: list[np.ndarray], d_tables: list[np.ndarray], n_tokens: int

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.api import Layer
 from kvbridge.engine.errors import EngineError
+from kvbridge.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -40,24 +41,19 @@ class MixerKind:
     build: Callable[[ModelConfig, int, int, Shard], Mixer]
 
 
-_MIXERS: dict[str, MixerKind] = {}
+_MIXERS: Registry[MixerKind] = Registry("mixer", EngineError)
 
 
 def register_mixer(kind: MixerKind) -> None:
-    if kind.name in _MIXERS:
-        raise EngineError(f"mixer {kind.name!r} is registered already")
-    _MIXERS[kind.name] = kind
+    _MIXERS.register(kind.name, kind)
 
 
 def mixer_names() -> tuple[str, ...]:
-    return tuple(_MIXERS)
+    return _MIXERS.names()
 
 
 def get_mixer(name: str) -> MixerKind:
-    kind = _MIXERS.get(name)
-    if kind is None:
-        raise EngineError(f"unknown mixer {name!r}; known: {', '.join(_MIXERS)}")
-    return kind
+    return _MIXERS.get(name)
 
 
 from kvbridge.engine import attention as _attention  # noqa: E402, F401  (full, sliding, mla)

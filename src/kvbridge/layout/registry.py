@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout.pieces import Built, Groups
+from kvbridge.registry import Registry
 
 Place = Callable[[Groups, tuple[int, ...], bool], Built]
 
@@ -38,24 +39,19 @@ class LayoutKind:
         return order
 
 
-_LAYOUTS: dict[str, LayoutKind] = {}
+_LAYOUTS: Registry[LayoutKind] = Registry("layout", LayoutError)
 
 
 def register_layout(kind: LayoutKind) -> None:
-    if kind.name in _LAYOUTS:
-        raise LayoutError(f"layout {kind.name!r} is registered already")
-    _LAYOUTS[kind.name] = kind
+    _LAYOUTS.register(kind.name, kind)
 
 
 def layout_names() -> tuple[str, ...]:
-    return tuple(_LAYOUTS)
+    return _LAYOUTS.names()
 
 
 def get_layout(name: str) -> LayoutKind:
-    kind = _LAYOUTS.get(name)
-    if kind is None:
-        raise LayoutError(f"unknown layout {name!r}; known: {', '.join(_LAYOUTS)}")
-    return kind
+    return _LAYOUTS.get(name)
 
 
 from kvbridge.layout import placements as _builtins  # noqa: E402, F401  (registers nhd, hnd, …)

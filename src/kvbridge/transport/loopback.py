@@ -51,8 +51,6 @@ class _Handle(XferHandle):
     def __init__(self, state: XferState, error: str = "") -> None:
         self.state = state
         self.error = error
-        self.run: Callable[[], None] | None = None
-        """A stalled transfer's copy, run when its peer resumes."""
 
     def release(self) -> None:
         pass
@@ -73,20 +71,7 @@ class LoopbackTransport(Transport):
         self._tensors: dict[int, torch.Tensor] = {}
         self.peers: set[str] = set()
         self.inbox: deque[tuple[str, bytes]] = deque()
-        self.stalled: dict[str, list[_Handle]] = {}
         fabric.agents[name] = self
-
-    def stall(self, peer: str) -> None:
-        """Test double of a stopped peer or a cut link: transfers with ``peer`` posted
-        from now on stay pending (release does not cancel them) until :meth:`resume`."""
-        self.stalled.setdefault(peer, [])
-
-    def resume(self, peer: str) -> None:
-        """Land every transfer stalled on ``peer`` (late bytes, as over a real link)."""
-        for h in self.stalled.pop(peer, []):
-            assert h.run is not None
-            h.run()
-            h.state, h.run = XferState.DONE, None
 
     def register(self, regions: list[Region]) -> bytes:
         self.check_kinds(regions)
@@ -159,11 +144,10 @@ class LoopbackTransport(Transport):
             if notif is not None:
                 other.inbox.append((self.name, notif))
 
-        if peer in self.stalled:
-            handle = _Handle(XferState.PENDING)
-            handle.run = run
-            self.stalled[peer].append(handle)
-            return handle
+        return self._start(peer, run)
+
+    def _start(self, peer: str, run: Callable[[], None]) -> XferHandle:
+        """Move the bytes of one checked transfer with ``peer`` (``run``) now."""
         run()
         return _Handle(XferState.DONE)
 

@@ -300,23 +300,6 @@ class NixlTransport(Transport):
             ) from exc
         return self._start(op, xfer, peer, runs, total)
 
-    def prep(self, peer: str, rows: np.ndarray, mem: str = "DRAM") -> Any:
-        """NIXL list of uint64 rows (addr, len, dev[, stride, count]) of ``mem`` ("DRAM" or
-        "VRAM"); ``peer`` "": own memory."""
-        try:
-            return self._check_open().prep_xfer_dlist(peer, rows, mem)
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot prepare {len(rows)} rows for {peer!r}: {exc!r}") from exc
-
-    def read_prepped(self, peer: str, lists: Any, idx: Any, nbytes: int) -> NixlXferHandle:
-        """READ runs ``idx[1]`` of the peer's list ``lists[1]`` (from :meth:`prep`) to runs
-        ``idx[0]`` of ``lists[0]`` (int32 indices); ``nbytes``: their total."""
-        try:
-            xfer = self._check_open().make_prepped_xfer("READ", lists[0], idx[0], lists[1], idx[1])
-        except _CAUGHT as exc:
-            raise TransportError(f"prepped READ of {len(idx[0])} runs refused: {exc!r}") from exc
-        return self._start("READ", xfer, peer, len(idx[0]), nbytes)
-
     def _start(self, op: str, xfer: Any, peer: str, runs: int, total: int) -> NixlXferHandle:
         agent, handle = self._check_open(), NixlXferHandle(self, xfer, peer, runs, total)
         with self._lock:

@@ -15,31 +15,27 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.registry import Registry
 from kvbridge.transport.base import Transport
 
 Factory = Callable[..., Transport]
 
-_FACTORIES: dict[str, Factory] = {}
+_FACTORIES: Registry[Factory] = Registry("transport", ConfigError)
 DEFAULT = "nixl"
 
 
 def register_transport(name: str, factory: Factory) -> None:
     """Make ``factory`` known as ``name``; a name is registered once."""
-    if name in _FACTORIES:
-        raise ConfigError(f"transport {name!r} is registered already")
-    _FACTORIES[name] = factory
+    _FACTORIES.register(name, factory)
 
 
 def transport_names() -> tuple[str, ...]:
-    return tuple(_FACTORIES)
+    return _FACTORIES.names()
 
 
 def make_transport(kind: str, agent_name: str, **options: Any) -> Transport:
     """A new agent of transport ``kind`` named ``agent_name`` (unique per rank)."""
-    factory = _FACTORIES.get(kind)
-    if factory is None:
-        raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(_FACTORIES)}")
-    return factory(agent_name, **options)
+    return _FACTORIES.get(kind)(agent_name, **options)
 
 
 def _nixl(agent_name: str, **options: Any) -> Transport:
