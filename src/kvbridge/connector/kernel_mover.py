@@ -86,7 +86,8 @@ class KernelMover:
         """Per P engine id: (the mappings it was made over, geometry over their offsets)."""
 
     def why_not(self, peer: Peer, sources: Iterable[int]) -> str:
-        """Why this mover cannot serve ``peer``'s ranks ``sources`` ("" if it can)."""
+        """Why this mover cannot serve ``peer``'s ranks ``sources`` ("" if it may: whether
+        their memory maps here, :meth:`geometry` finds out)."""
         for src in sources:
             info = peer.ranks.get(src)
             if info is None or not info.shares:
@@ -95,10 +96,6 @@ class KernelMover:
                 return f"P rank {src} runs on another node"
             if info.memory_kind() is not self.kind:
                 return f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
-            try:
-                self._release(self._acquire(peer, src))
-            except TransportError as exc:  # remembered: later loads go over the transport
-                return f"P rank {src}'s memory cannot be mapped here: {exc}"
         return ""
 
     def geometry(self, peer: Peer) -> tuple[Over | None, str]:
@@ -112,6 +109,7 @@ class KernelMover:
         if why or peer.remake is None:
             return None, why or "no geometry over mapped memory"
         held: list[_Mapped] = []
+        src = -1
         try:
             for src in sources:
                 held.append(self._acquire(peer, src))
@@ -122,8 +120,8 @@ class KernelMover:
                 return known[1], ""
             bases = {src: m.span.bases for src, m in zip(sources, held, strict=True)}
             over = Over(peer.remake(bases, self.dst.bases), bases)
-        except TransportError as exc:  # P's memory went (a restart): over the transport
-            return None, f"P's memory cannot be mapped here: {exc}"
+        except TransportError as exc:  # remembered per P epoch: over the transport
+            return None, f"P rank {src}'s memory cannot be mapped here: {exc}"
         finally:
             for m in held:
                 self._release(m)
