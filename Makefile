@@ -44,7 +44,7 @@ demo: $(STAMP)
 # P and D vLLM servers with the kvbridge connector behind `kvbridge proxy`
 # (DEMO_VLLM_ARGS=--keep keeps its temporary folder of model and logs)
 demo-vllm: $(STAMP)
-	$(BIN)/python -m kvbridge.integrations.vllm.demo $(DEMO_VLLM_ARGS)
+	$(BIN)/python -m benchmarks.vllm_demo $(DEMO_VLLM_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/kvbridge bench plan

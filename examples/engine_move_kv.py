@@ -5,7 +5,7 @@ docs/engine.md shows this file; a test runs it.
     python examples/engine_move_kv.py
 """
 
-from kvbridge.engine import Instance, encode, generate, move_kv
+from refengine import Instance, encode, generate, move_kv
 
 if __name__ == "__main__":  # TP 2 starts rank processes, which import this file again
     tokens = generate("kimi-linear", "hello", tp=2, n_new_tokens=16)  # colocated, greedy

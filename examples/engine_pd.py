@@ -8,8 +8,8 @@ import secrets
 from contextlib import closing
 
 from kvbridge.api import SideConfig
-from kvbridge.engine import encode, generate
-from kvbridge.engine.pd import DecodeServer, PrefillServer, Router
+from refengine import encode, generate
+from refengine.pd import DecodeServer, PrefillServer, Router
 
 if __name__ == "__main__":  # rank processes import this file again
     secret = secrets.token_bytes(16)  # shared by P and D: handshakes are authenticated

@@ -2,7 +2,7 @@
 
 A case is one P/D pairing (model shapes, tokens per request, TP on each side, block sizes,
 layouts, pull or push); its requests take their block ids from an allocator trace
-(:mod:`kvbridge.bench.trace_alloc`) run on both sides until every block was handed out
+(:mod:`benchmarks.trace_alloc`) run on both sides until every block was handed out
 twice, so ids are as fragmented as a long-running engine's, independently on P and D.
 
 Pools hold ``pool_factor`` requests' worth of blocks (hybrids: ``live + 8`` state slots).
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.bench.shapes import llama
-from kvbridge.bench.trace_alloc import Side, Simulator, TraceConfig
+from benchmarks.shapes import llama
+from benchmarks.trace_alloc import Side, Simulator, TraceConfig
 from kvbridge.errors import ConfigError
 from kvbridge.layout import RankLayout, build_layout
 from kvbridge.spec import ModelSpec, Parallel, load_model

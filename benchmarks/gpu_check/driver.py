@@ -30,7 +30,7 @@ from benchmarks.gpu_check.cases import Case, Request, requests
 from benchmarks.gpu_check.plans import rank_bytes, vllm_refusal
 from benchmarks.gpu_check.procs import Ranks, Target, fatal
 from kvbridge.connector import Producer
-from kvbridge.harness import RankError
+from refengine.processes import RankError
 
 
 @dataclass(frozen=True, slots=True)

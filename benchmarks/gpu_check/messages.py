@@ -1,5 +1,5 @@
 """What the driver and the rank processes say to each other (pickled over pipes by the
-rank-process harness, :mod:`kvbridge.harness`): one class per command, one per reply."""
+rank-process harness, :mod:`refengine.processes`): one class per command, one per reply."""
 
 from __future__ import annotations
 

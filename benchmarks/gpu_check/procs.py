@@ -1,6 +1,6 @@
 """The rank processes of the check, on kvbridge's rank-process harness
-(:class:`kvbridge.harness.RankProcesses`: typed commands, every wait bounded, a rank that
-fails, exits or stays silent raises :class:`~kvbridge.harness.RankError`; ``close()``
+(:class:`refengine.processes.RankProcesses`: typed commands, every wait bounded, a rank that
+fails, exits or stays silent raises :class:`~refengine.processes.RankError`; ``close()``
 stops, then terminates, then kills).
 
 ``p`` P ranks are harness ranks ``0 … p-1``, ``d`` D ranks follow. One command may go to
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.gpu_check import rank
-from kvbridge.harness import RankError, RankProcesses
+from refengine.processes import RankError, RankProcesses
 
 Target = tuple[str, int, Any]
 """``(role, rank, command)``."""

@@ -317,7 +317,7 @@ class Rank:
 
 def main(conn: Connection, index: int, gpu: bool) -> None:
     """Rank process entry (spawned): boot (torch, CUDA, NIXL), then serve commands."""
-    from kvbridge.harness import Failed, serve
+    from refengine.processes import Failed, serve
 
     try:
         facts = boot(gpu)

@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.gpu_check.cases import GPU_CASES, QUICK_CASES, Case
 from benchmarks.gpu_check.driver import CaseResult, CaseRun, Options
-from kvbridge.harness import RankError
+from refengine.processes import RankError
 
 RESERVE_S = 15.0
 """Kept from the budget for the last case's teardown and the report."""

@@ -10,7 +10,7 @@ DEFAULTS = {
     "NIXL_LOG_LEVEL": "WARN",
     # Over TCP (P and D on different hosts) UCX moves a READ in segments of this size;
     # its 8 KiB default held NIXL to ~50 % of a plain socket copy between two network
-    # namespaces, 2 MiB reached 80-127 % (docs/faults.md, kvbridge.bench.two_hosts).
+    # namespaces, 2 MiB reached 80-127 % (docs/faults.md, benchmarks.two_hosts).
     # Buffers are taken per connection, lazily: an idle agent's memory is unchanged.
     "UCX_TCP_TX_SEG_SIZE": "2m",
     "UCX_TCP_RX_SEG_SIZE": "2m",

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbridge.engine import EngineError, Instance, encode, preset
-from kvbridge.engine.cache import PagedCache
-from kvbridge.engine.spec import model_spec
 from kvbridge.layout import layout_names
 from kvbridge.spec import Parallel
+from refengine import EngineError, Instance, encode, preset
+from refengine.cache import PagedCache
+from refengine.spec import model_spec
 
 pytestmark = pytest.mark.e2e
 

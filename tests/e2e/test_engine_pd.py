@@ -9,7 +9,8 @@ import functools
 
 import pytest
 
-from kvbridge.engine import (
+from kvbridge.spec import Kind
+from refengine import (
     PRESETS,
     EngineError,
     Instance,
@@ -20,7 +21,6 @@ from kvbridge.engine import (
     move_kv,
     preset,
 )
-from kvbridge.spec import Kind
 
 pytestmark = pytest.mark.e2e
 

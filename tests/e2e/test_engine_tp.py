@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvbridge.engine import PRESETS, Instance, encode, generate
 from kvbridge.errors import SpecError
+from refengine import PRESETS, Instance, encode, generate
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +61,7 @@ def test_generation_is_not_constant() -> None:
 
 CHILD = """
 import multiprocessing, os, sys
-from kvbridge.engine import Instance
+from refengine import Instance
 inst = Instance("llama", tp=2)
 print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
 os._exit(0)

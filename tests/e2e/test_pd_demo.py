@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 from kvbridge.api import SideConfig as Side
-from kvbridge.cli import demo_cmd, demo_run
+from kvbridge.cli import demo_cmd
 from kvbridge.cli.main import main
 from kvbridge.connector.consumer import Mode
-from kvbridge.engine import PRESETS, encode, generate, model_spec, preset
-from kvbridge.engine.pd import Decoded, DecodeServer, PrefillServer, Router
 from kvbridge.spec import Kind
+from refengine import PRESETS, encode, generate, model_spec, preset
+from refengine import demo as demo_run
+from refengine.pd import Decoded, DecodeServer, PrefillServer, Router
 
 pytestmark = pytest.mark.e2e
 

@@ -12,9 +12,9 @@ import pytest
 from kvbridge.api import SideConfig
 from kvbridge.control.lease import LeaseState
 from kvbridge.spec import DType, Kind, ModelSpec, attention, group_by_kind, mamba2, mla
-from kvbridge.testing.procs import Instance
-from kvbridge.testing.rank_worker import Changed, Fill, Load, Scribble, Verify, Wait
-from kvbridge.testing.scenario import random_tables
+from tests.support.procs import Instance
+from tests.support.rank_worker import Changed, Fill, Load, Scribble, Verify, Wait
+from tests.support.scenario import random_tables
 
 pytestmark = pytest.mark.integration
 SECRET = b"integration"

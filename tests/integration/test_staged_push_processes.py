@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.testing.rank_worker import Verify
 from tests.integration.test_pd_processes import Pair, hybrid
+from tests.support.rank_worker import Verify
 
 pytestmark = pytest.mark.integration
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.bench.trace_bench import run_all
-from kvbridge.bench.trace_case import Case
-from kvbridge.bench.trace_report import table
+from benchmarks.trace_bench import run_all
+from benchmarks.trace_case import Case
+from benchmarks.trace_report import table
 
 pytestmark = pytest.mark.integration
 

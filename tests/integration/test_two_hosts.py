@@ -14,11 +14,11 @@ from kvbridge.api import SideConfig
 from kvbridge.cli.main import main
 from kvbridge.connector.consumer import Mode
 from kvbridge.control.lease import LeaseState
-from kvbridge.engine import encode, generate
-from kvbridge.engine.pd import DecodeServer, PrefillServer, Router
-from kvbridge.testing.netns import Hosts, unavailable
-from kvbridge.testing.rank_worker import Changed, Scribble, Verify
+from refengine import encode, generate
+from refengine.netns import Hosts, unavailable
+from refengine.pd import DecodeServer, PrefillServer, Router
 from tests.integration.test_pd_processes import SECRET, Pair, hybrid
+from tests.support.rank_worker import Changed, Scribble, Verify
 
 WHY = unavailable()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(bool(WHY), reason=WHY)]

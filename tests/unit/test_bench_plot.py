@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="pip install 'kvbridge[plot]'")
 
-from kvbridge.bench.plan_bench import PlanCase, as_dicts
-from kvbridge.bench.plot import TRANSFER_MEASURES, Series, check_target, draw
-from kvbridge.bench.transfer_bench import Case
+from benchmarks.plan_bench import PlanCase, as_dicts
+from benchmarks.plot import TRANSFER_MEASURES, Series, check_target, draw
+from benchmarks.transfer_bench import Case
 from kvbridge.cli.main import main
 from kvbridge.errors import ConfigError
 

@@ -137,7 +137,8 @@ def test_plan_side_takes_block_and_layout_from_the_other(
 
 def test_demo_side_keeps_the_demo_defaults() -> None:
     from kvbridge.api import SideConfig
-    from kvbridge.cli import demo_cmd, demo_run
+    from kvbridge.cli import demo_cmd
+    from refengine import demo as demo_run
 
     assert demo_run._side(types.side("tp=6"), demo_cmd.DEFAULT_DECODE) == SideConfig(
         6, 32, "block-major"
@@ -150,7 +151,7 @@ def test_demo_side_keeps_the_demo_defaults() -> None:
 def test_demo_names_match_the_engine() -> None:
     from kvbridge.cli import demo_cmd
     from kvbridge.connector.consumer import Mode
-    from kvbridge.engine import PRESETS
+    from refengine import PRESETS
 
     assert tuple(sorted(PRESETS)) == demo_cmd.PRESET_NAMES
     assert tuple(m.value for m in Mode) == demo_cmd.MODES

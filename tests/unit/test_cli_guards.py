@@ -110,7 +110,7 @@ def test_context_length_sources(tmp_path: Path) -> None:
 def test_demo_refuses_long_requests_before_starting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvbridge.cli import demo_run
+    from refengine import demo as demo_run
 
     def never(*a: object, **k: object) -> None:
         raise AssertionError("P started for a request the demo must refuse")
@@ -127,8 +127,8 @@ def test_demo_refuses_long_requests_before_starting(
 
 
 def test_demo_limit_is_what_the_colocated_check_holds() -> None:
-    from kvbridge.cli.demo_run import MAX_TOKENS, REFERENCE_BLOCK
-    from kvbridge.engine import EngineError, generate
+    from refengine import EngineError, generate
+    from refengine.demo import MAX_TOKENS, REFERENCE_BLOCK
 
     prompt = [1 + i % 200 for i in range(MAX_TOKENS - 8)]
     assert len(generate("llama", prompt, n_new_tokens=8)) == 8
@@ -148,7 +148,7 @@ def test_demo_limit_is_what_the_colocated_check_holds() -> None:
 def test_demo_refuses_a_side_the_preset_cannot_run_before_printing(
     argv: list[str], lead: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvbridge.cli import demo_run
+    from refengine import demo as demo_run
 
     def never(*a: object, **k: object) -> None:
         raise AssertionError("P started for a side the demo must refuse")
@@ -162,8 +162,8 @@ def test_demo_refuses_a_side_the_preset_cannot_run_before_printing(
 
 def test_demo_side_check_accepts_what_the_engine_runs() -> None:
     from kvbridge.cli.args import side
-    from kvbridge.cli.demo_run import check_side
-    from kvbridge.engine import preset
+    from refengine import preset
+    from refengine.demo import check_side
 
     for tp in (1, 2, 3, 6):
         check_side(preset("kimi-linear"), "--decode", side(f"tp={tp}"), SideConfig(tp=tp))

@@ -33,7 +33,7 @@ def test_what_cannot_be_made_finite_is_refused() -> None:
 
 def test_vllm_bench_row_without_loads_writes_null() -> None:
     pytest.importorskip("vllm")
-    from kvbridge.integrations.vllm.bench import _row
+    from benchmarks.vllm_bench import _row
 
     timed = [{"ttft_s": 0.2, "d_s": 0.1, "loads": 0.0}]
     row = _row("case", "kvbridge", "ok", timed)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvbridge.cli.demo_report import LATENCY_BOUND, Row, Summary, render_json, render_text
 from kvbridge.cli.main import main
+from refengine.demo_report import LATENCY_BOUND, Row, Summary, render_json, render_text
 
 
 def test_bench_plan_quick_prints_progress_and_leaves_out_the_large_cases(
@@ -24,7 +24,7 @@ def test_bench_plan_quick_prints_progress_and_leaves_out_the_large_cases(
 
 
 def test_bench_plan_calls_are_not_raised_behind_the_users_back() -> None:
-    from kvbridge.bench import plan_bench
+    from benchmarks import plan_bench
 
     seen: list[int] = []
     real = plan_bench.best_median_us
@@ -63,7 +63,7 @@ def test_demo_table_has_latency_and_marks_latency_bound_rows() -> None:
 def test_bench_transfer_reports_each_case(monkeypatch: pytest.MonkeyPatch) -> None:
     """Real cases need NIXL processes and minutes (run `kvbridge bench transfer --quick`
     by hand); here each case is faked."""
-    from kvbridge.bench import transfer_bench
+    from benchmarks import transfer_bench
 
     def fake(case: transfer_bench.Case) -> dict[str, object]:
         return {"descriptors": 32, "gbps": 5.5, "contiguous_gbps": 6.1, "memcpy_gbps": 12.0}

@@ -25,9 +25,9 @@ from kvbridge.errors import PeerError
 from kvbridge.layout import build_layout
 from kvbridge.layout.tensor import MemKind
 from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
-from kvbridge.testing.reference import expected_dest, fill_source
-from kvbridge.testing.scenario import Side, random_tables
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.support.reference import expected_dest, fill_source
+from tests.support.scenario import Side, random_tables
 from tests.support.stalling import StallingLoopback
 
 SECRET = b"test-secret"

@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from kvbridge.harness import Failed, RankError, RankProcesses, serve
+from refengine.processes import Failed, RankError, RankProcesses, serve
 
 
 def _echo(conn: Connection, rank: int, boot_fails: bool = False) -> None:

@@ -16,8 +16,8 @@ from kvbridge.spec import DType, Group, Kind, Parallel, attention
 from kvbridge.spec.hf import ARCHS, from_hf_config, load_config
 from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.model import Layer, ModelSpec
-from kvbridge.testing.scenario import Side, run_scenario
 from tests.fixtures import EXPECTED_DIR, MODELS_DIR
+from tests.support.scenario import Side, run_scenario
 
 MODELS = (
     "deepseek-v2-lite",

@@ -29,8 +29,8 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.security import Keys, secure_client
 from kvbridge.errors import PeerError, PlanError, TransportError
-from kvbridge.testing.scenario import random_tables
 from kvbridge.transport.loopback import LoopbackTransport
+from tests.support.scenario import random_tables
 from tests.unit.test_connector_loopback import SECRET, SPEC, World, raw_call
 
 

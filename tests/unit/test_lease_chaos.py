@@ -18,8 +18,8 @@ from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseReply, tables_digest
 from kvbridge.spec import Parallel, attention, group_by_kind
-from kvbridge.testing.scenario import Side
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.support.scenario import Side
 from tests.support.stalling import StallingLoopback
 from tests.unit.test_connector_loopback import SECRET
 

@@ -27,8 +27,8 @@ from kvbridge.control.messages import (
     tables_digest,
 )
 from kvbridge.errors import PlanError
-from kvbridge.testing.scenario import Side
 from kvbridge.transport.loopback import LoopbackTransport
+from tests.support.scenario import Side
 from tests.unit.test_connector_loopback import SECRET, World, check_bytes
 from tests.unit.test_lease_time import _resume, _until_begun
 

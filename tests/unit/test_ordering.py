@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import TransferTimeout
-from kvbridge.testing.reference import expected_dest, fill_source
-from kvbridge.testing.scenario import random_tables
+from tests.support.reference import expected_dest, fill_source
+from tests.support.scenario import random_tables
 from tests.unit.test_connector_loopback import SPEC, World
 from tests.unit.test_kernel_mover import ShmPool
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvbridge.plan.links import unique_rows
 from kvbridge.plan.runs import Runs
 from kvbridge.spec import ModelSpec, Parallel, attention, group_by_kind, mamba2
-from kvbridge.testing.scenario import Side, run_scenario
+from tests.support.scenario import Side, run_scenario
 from tests.unit.test_planner_properties import PAIRS, tp_ok
 
 

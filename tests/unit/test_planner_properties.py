@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.spec import DType, Kind, ModelSpec, Parallel, attention, group_by_kind, mamba2, mla
-from kvbridge.testing.scenario import Side, run_scenario
+from tests.support.scenario import Side, run_scenario
 
 LAYOUTS = ["nhd", "hnd", "block-major"]
 

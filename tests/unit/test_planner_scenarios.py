@@ -18,7 +18,7 @@ from kvbridge.spec import (
     state,
     state_tensor,
 )
-from kvbridge.testing.scenario import Side, run_scenario
+from tests.support.scenario import Side, run_scenario
 
 
 def rng() -> np.random.Generator:

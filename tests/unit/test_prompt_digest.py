@@ -12,8 +12,8 @@ import pytest
 
 from kvbridge.connector.handle import TransferHandle, prompt_digest
 from kvbridge.errors import PlanError, PromptMismatch
-from kvbridge.testing.reference import fill_source
-from kvbridge.testing.scenario import random_tables
+from tests.support.reference import fill_source
+from tests.support.scenario import random_tables
 from tests.unit.test_connector_loopback import SPEC, World, check_bytes
 
 N = 45

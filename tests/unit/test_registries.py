@@ -24,7 +24,7 @@ from kvbridge.api import (
 from kvbridge.cli import args as cli_args
 from kvbridge.layout import LayoutKind
 from kvbridge.layout.pieces import Built, Groups, place, view_of
-from kvbridge.testing.scenario import Side, run_scenario
+from tests.support.scenario import Side, run_scenario
 
 
 def _v_first(groups: Groups, nblk: tuple[int, ...], packed: bool) -> Built:
@@ -98,8 +98,8 @@ def test_a_registered_transport_is_what_the_engine_and_vllm_config_accept() -> N
 
 
 def test_engine_mixers_are_one_table_for_spec_and_model() -> None:
-    from kvbridge.engine import MIXERS, EngineError, model_spec, preset
-    from kvbridge.engine.mixers import get_mixer, mixer_names
+    from refengine import MIXERS, EngineError, model_spec, preset
+    from refengine.mixers import get_mixer, mixer_names
 
     assert set(MIXERS) <= set(mixer_names())
     spec = model_spec(preset("jamba"))

@@ -26,9 +26,9 @@ from kvbridge.control.messages import PushRefused, PushRuns, seal, unseal
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
 from kvbridge.spec import Parallel
-from kvbridge.testing.scenario import Side
 from kvbridge.transport.base import Region
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
+from tests.support.scenario import Side
 from tests.support.stalling import StallingLoopback
 from tests.unit.test_connector_loopback import SECRET, SPEC, World, check_bytes
 

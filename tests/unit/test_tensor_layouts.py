@@ -15,7 +15,7 @@ from kvbridge.spec.dtypes import DType
 from kvbridge.spec.model import Group, Kind, ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.spec.sharding import shard_interval
-from kvbridge.testing.scenario import Side, run_scenario
+from tests.support.scenario import Side, run_scenario
 
 HEADS, HD = 4, 8
 

@@ -10,9 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvbridge.bench import trace_pattern as pat
-from kvbridge.bench.trace_alloc import BlockPool, TraceConfig, simulate
-from kvbridge.bench.trace_case import Case, allocate, layouts, model_spec, sizing
+from benchmarks import trace_pattern as pat
+from benchmarks.trace_alloc import BlockPool, TraceConfig, simulate
+from benchmarks.trace_case import Case, allocate, layouts, model_spec, sizing
 from kvbridge.errors import ConfigError
 from kvbridge.plan import Bound, Geometry
 from kvbridge.spec import Parallel
@@ -137,7 +137,7 @@ def test_pattern_check_sees_every_landed_byte(
 
 
 def test_trace_cases_are_selected_by_label_exactly_or_by_part() -> None:
-    from kvbridge.bench.trace_bench import cases, select
+    from benchmarks.trace_bench import cases, select
 
     grid = cases()
     one = select(grid, "llama-3.1-8b TP 1→2 nhd", None)

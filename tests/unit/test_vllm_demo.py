@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm.demo import run_in
+from benchmarks.vllm_demo import run_in
 
 
 def _fill(work: Path, rc: int = 0) -> int:
@@ -92,7 +92,7 @@ def test_given_workdir_is_never_removed(tmp_path: Path) -> None:
 
 
 def test_keep_flag_is_offered(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvbridge.integrations.vllm import demo
+    from benchmarks import vllm_demo as demo
 
     with pytest.raises(SystemExit) as exc:
         demo.main(["--help"])

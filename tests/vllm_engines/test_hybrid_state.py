@@ -25,7 +25,7 @@ import msgspec
 import pytest
 
 from kvbridge.connector.handle import TransferHandle
-from kvbridge.integrations.vllm.harness import (
+from tests.support.vllm_harness import (
     Engine,
     block_size,
     connector_totals,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvbridge.integrations.vllm.harness import Engine, connector_totals
+from tests.support.vllm_harness import Engine, connector_totals
 from tests.vllm_engines.conftest import pd, prompts
 from tests.vllm_engines.scramble import scramble_cache
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kvbridge.integrations.vllm.server import Server, ServerConfig
 from kvbridge.serve.proxy import Proxy
+from tests.support.vllm_server import Server, ServerConfig
 from tests.vllm_engines.conftest import SECRET, model
 
 openai = pytest.importorskip("openai")

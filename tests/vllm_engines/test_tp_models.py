@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm.harness import Engine, connector_totals
+from tests.support.vllm_harness import Engine, connector_totals
 from tests.vllm_engines.conftest import closing, pd, prompts, start, start_all
 
 pytestmark = pytest.mark.vllm

@@ -1,12 +1,13 @@
 """``kvbridge bench plan|transfer|trace|vllm [--quick] [--calls N] [--json] [--plot FILE.png]``
 (``vllm`` also ``--trace``): benchmarks that print figures. One progress line per finished
 case goes to stderr; the table (or, with ``--json``, one JSON list) to stdout at the end;
-``--plot`` (plan, transfer) also draws them into a PNG (``kvbridge.bench.plot``)."""
+``--plot`` (plan, transfer) also draws them into a PNG (``benchmarks.plot``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvbridge.cli import args as types
@@ -44,7 +45,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="vllm only: engines with small block pools, churned by a seeded warm-up so "
         "block ids are fragmented on P and D as in a busy engine; adds block-run figures "
-        "(kvbridge.integrations.vllm.bench_trace)",
+        "(benchmarks.vllm_trace)",
     )
     p.add_argument(
         "--plot",
@@ -56,7 +57,24 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _checkout() -> None:
+    """Make the checkout's ``benchmarks/`` importable: benchmarks live beside the package in
+    the source tree and are not installed with it."""
+    root = Path(__file__).resolve().parents[3]
+    if not (root / "benchmarks" / "__init__.py").is_file():
+        from kvbridge.errors import ConfigError
+
+        raise ConfigError(
+            "kvbridge bench runs the benchmarks of a source checkout (benchmarks/ is not "
+            "installed with the package): clone the repository and `pip install -e .` there"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
 def run(args: argparse.Namespace) -> int:
+    _checkout()
+
     def say(line: str) -> None:
         print(f"bench {args.what} {line}", file=sys.stderr, flush=True)
 
@@ -73,16 +91,16 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "trace":
         return _trace(args)
     if args.what == "plan":
-        from kvbridge.bench.plan_bench import as_dicts, cases
+        from benchmarks.plan_bench import as_dicts, cases
 
         calls = args.calls or (QUICK_CALLS if args.quick else 300)
         rows = as_dicts(cases(calls, quick=args.quick, progress=say))
     elif args.what == "vllm" and args.trace:
-        from kvbridge.integrations.vllm.bench_trace import run_trace
+        from benchmarks.vllm_trace import run_trace
 
         rows = run_trace(quick=args.quick, calls=args.calls, progress=say)
     elif args.what == "vllm":
-        from kvbridge.integrations.vllm.bench import run_all as run_vllm
+        from benchmarks.vllm_bench import run_all as run_vllm
 
         rows = run_vllm(quick=args.quick, calls=args.calls, progress=say)
     else:
@@ -90,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             from kvbridge.errors import ConfigError
 
             raise ConfigError("--calls: bench transfer times 5 repeats per case; no --calls")
-        from kvbridge.bench.transfer_bench import run_all
+        from benchmarks.transfer_bench import run_all
 
         rows = run_all(quick=args.quick, progress=say)
     if args.json:
@@ -100,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(rows)
     if args.plot is not None:
-        from kvbridge.bench.plot import draw
+        from benchmarks.plot import draw
 
         draw(args.what, rows, args.plot)
         say(f"figure written to {args.plot}")
@@ -113,14 +131,14 @@ def _check_plot(what: str, path: str) -> None:
         from kvbridge.errors import ConfigError
 
         raise ConfigError(f"--plot: bench {what} draws no figure; --plot works with plan, transfer")
-    from kvbridge.bench.plot import check_target
+    from benchmarks.plot import check_target
 
     check_target(path)
 
 
 def _trace(args: argparse.Namespace) -> int:
-    """``bench trace``: transfers on an allocator trace (``bench/trace_bench.py``)."""
-    from kvbridge.bench.trace_bench import main as trace_main
+    """``bench trace``: transfers on an allocator trace (``benchmarks/trace_bench.py``)."""
+    from benchmarks.trace_bench import main as trace_main
 
     argv = [*(["--quick"] if args.quick else []), *(["--json"] if args.json else [])]
     argv += ["--only", args.only] if args.only else []

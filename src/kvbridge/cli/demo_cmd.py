@@ -24,7 +24,7 @@ from kvbridge.cli import args as types
 
 DEFAULT_PRESET = "kimi-linear"
 PRESET_NAMES = ("deepseek", "gemma", "jamba", "kimi-linear", "llama", "qwen3-next")
-"""The reference engine's presets (a test checks them against ``kvbridge.engine.PRESETS``,
+"""The reference engine's presets (a test checks them against ``refengine.PRESETS``,
 which is not imported here: it loads torch)."""
 MODES = ("pull", "push", "auto")
 DEFAULT_PREFILL = "tp=2,block=16,layout=hnd"
@@ -63,6 +63,6 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.cli.demo_run import run as demo
+    from refengine.demo import run as demo
 
     return demo(args)

@@ -11,7 +11,7 @@ Measured (2026-11-25, this VM, 65,536 runs of 1 KiB): progressions of 16 rows in
 shuffled block order 57 → 22 ms (views made with ``np.ndarray(buffer=)`` instead of
 ``as_strided``, a progression no longer split at each block's first row), shuffled runs
 80 → 30 ms (1 KiB words instead of 8-byte ones), a memcpy of the same 64 MiB 4.7 ms.
-Later (``tools/bench_copies.py``): progressions of 16 rows of 1 KiB gather in 1.6–1.9 ms
+Later (``benchmarks/bench_copies.py``): progressions of 16 rows of 1 KiB gather in 1.6–1.9 ms
 per 8 MiB against 2.2–2.9 ms as views; a staged round over 64 per-layer regions, one
 copy call instead of one per region: 2.5–4 ms against 5.8–11.6 ms.
 """
@@ -33,7 +33,7 @@ VIEW_S = 3.4e-6
 GATHER_RUN_S = 15e-9
 GATHER_BYTE_S = 0.045e-9
 """What the gather-scatter costs per word, and per byte beyond a strided copy's cost;
-fitted to ``tools/bench_copies.py``'s table on the development VM (see above)."""
+fitted to ``benchmarks/bench_copies.py``'s table on the development VM (see above)."""
 
 
 def strided_limit(runs: int, size: int, word: int) -> int:

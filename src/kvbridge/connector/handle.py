@@ -108,7 +108,7 @@ def prompt_digest(prompt: Tokens, n_tokens: int) -> bytes:
     The same ids give the same digest whatever holds them (list, any integer array).
     :class:`PlanError` if ``prompt`` is not 1-D integers within int32 (``1.0``, ``"1"``
     and ``2**31`` are refused) or has fewer than ``n_tokens``. About 1 ms for a list of
-    32k ints, mostly reading the list (``tools/bench_prompt_digest.py``)."""
+    32k ints, mostly reading the list (``benchmarks/bench_prompt_digest.py``)."""
     raw = _int32(prompt)
     if not 0 <= n_tokens <= len(raw) // 4:
         raise PlanError(f"digest of {n_tokens} tokens asked of a prompt of {len(raw) // 4}")

@@ -1,0 +1,101 @@
+"""Host time per request of the kernel mover: plan (in the geometry over the spans'
+offsets, as :meth:`KernelMover.geometry` makes it) + the mover's checks (every run inside
+its span) + runs cut to equal lengths, without the copy itself. For comparison, the
+address-based way (plan over P's and D's addresses, then each run's region looked up).
+
+Llama-3.1-8B shapes (bf16, block 16, 4,000 blocks), shuffled block ids, synthetic
+addresses (nothing is touched: the spans' tensors are stand-ins). Target (issue 23):
+plan + choose ≤ 100 µs per request at 8k tokens.
+
+Usage: python benchmarks/bench_kernel_host.py [--calls N]
+"""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import numpy as np
+import torch
+
+from benchmarks.plan_bench import best_median_us, bound_all
+from benchmarks.shapes import llama
+from kvbridge.connector import device_memory
+from kvbridge.connector.device_memory import Span, equal_runs
+from kvbridge.connector.kernel_mover import copy_groups
+from kvbridge.layout.tensor import Region
+from kvbridge.plan import Geometry
+from kvbridge.plan.geometry import Bound
+from kvbridge.spec import Parallel
+
+
+def spans_of(bounds: list) -> list[Span]:
+    """One span per rank over its synthetic regions (no tensor over them is made)."""
+
+    def stand_in(r: Region) -> torch.Tensor:  # the right size, no memory
+        return torch.empty(r.nbytes, dtype=torch.uint8, device="meta")
+
+    with mock.patch.object(device_memory, "byte_tensor", stand_in):
+        return [
+            Span([Region(a, n) for a, n in zip(b.bases, b.layout.regions, strict=True)])
+            for b in bounds
+        ]
+
+
+def case(tokens: int, p_tp: int, d_tp: int, layout: str, calls: int) -> str:
+    spec = llama(32)
+    p_b = bound_all(spec, Parallel(p_tp), layout, 4000, 1 << 44)
+    d_b = bound_all(spec, Parallel(d_tp), layout, 4000, 1 << 45)
+    geom = Geometry(spec, spec, Parallel(p_tp), Parallel(d_tp), p_b, d_b[0], 0)
+    p_spans, d_span = spans_of(p_b), spans_of(d_b[:1])[0]
+    need = -(-tokens // spec.groups[0].block_size)
+    rng = np.random.default_rng(0)
+    p_ids, d_ids = [rng.permutation(4000)[:need]], [rng.permutation(4000)[:need]]
+
+    def by_address() -> int:
+        plan = geom.plan(tokens, p_ids, d_ids)
+        calls_ = 0
+        for src, r in plan.runs.items():
+            s_off = p_spans[src].offsets(r.src, r.length, "P")
+            d_off = d_span.offsets(r.dst, r.length, "D")
+            calls_ += len(equal_runs(d_off, s_off, r.length))
+        return calls_
+
+    p_off = [Bound(b.layout, s.bases) for b, s in zip(p_b, p_spans, strict=True)]
+    d_off = Bound(d_b[0].layout, d_span.bases)
+    in_offsets = Geometry(spec, spec, Parallel(p_tp), Parallel(d_tp), p_off, d_off, 0)
+
+    def request() -> int:
+        plan = in_offsets.plan(tokens, p_ids, d_ids)
+        calls_ = 0
+        for src, r in plan.runs.items():
+            calls_ += len(copy_groups(p_spans[src], d_span, r, "P"))
+        return calls_
+
+    runs = sum(len(r) for r in geom.plan(tokens, p_ids, d_ids).runs.values())
+    plan_us = best_median_us(lambda: in_offsets.plan(tokens, p_ids, d_ids), calls)
+    total_us = best_median_us(request, calls)
+    old_us = best_median_us(by_address, calls)
+    return (
+        f"{tokens:>6} tokens TP {p_tp}→{d_tp} {layout:4s}: {runs:>6} runs, "
+        f"{request()} copy calls | plan {plan_us:7.1f} µs | plan + checks + cuts "
+        f"{total_us:7.1f} µs | by address (before) {old_us:7.1f} µs"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=100)
+    args = ap.parse_args()
+    for tokens, p_tp, d_tp, layout in [
+        (1024, 1, 1, "hnd"),
+        (8192, 1, 1, "hnd"),
+        (8192, 1, 1, "nhd"),
+        (8192, 1, 2, "hnd"),
+        (1024, 1, 2, "nhd"),
+    ]:
+        print(case(tokens, p_tp, d_tp, layout, args.calls), flush=True)
+
+
+if __name__ == "__main__":
+    main()

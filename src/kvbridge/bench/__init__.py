@@ -1,1 +1,0 @@
-"""Benchmarks that print figures (``kvbridge bench ...``)."""

@@ -1,0 +1,73 @@
+"""Move a request's KV from a P instance to a D instance in this process.
+
+The kvbridge path end to end, with the loopback transport standing in for NIXL:
+
+    P layouts + region addresses ─┐
+                                  ├─► Geometry (per D rank) ─► plan(n, P tables, D tables,
+    D layout + region addresses ──┘                                 cached) ─► read runs
+
+Both instances must keep their caches in this process (TP 1, ``in_process``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from kvbridge.api import Bound, Geometry, Region, Transport, XferState, make_transport
+from refengine.errors import EngineError
+from refengine.instance import Instance
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """What a transfer moved: bytes and descriptors (runs), summed over D ranks."""
+
+    bytes: int
+    descriptors: int
+
+
+def move_kv(p: Instance, d: Instance, req_id: str) -> Moved:
+    """Copy request ``req_id``'s KV (prefilled on ``p``, reserved on ``d``) into ``d``.
+
+    Tokens ``d.computed(req_id)`` and on are moved, as the planner decides per layer kind.
+    """
+    if not (p.in_process and d.in_process):
+        raise EngineError("move_kv needs both instances in this process (TP 1, in_process)")
+    n, cached = p.computed(req_id), d.computed(req_id)
+    if len(d.tokens(req_id)) != n or len(p.tokens(req_id)) != n + 1:
+        raise EngineError(
+            f"P has {n} prompt tokens computed (and must have sampled one), D reserved "
+            f"{len(d.tokens(req_id))}: prefill on P, then reserve the same prompt on D"
+        )
+    tag = secrets.token_hex(4)
+    agents: list[Transport] = []
+    p_meta = [_agent(agents, f"p{r}-{tag}", p.regions(r)) for r in range(p.tp)]
+    p_bound = [_bound(p, r) for r in range(p.tp)]
+    total, runs_n = 0, 0
+    for r in range(d.tp):
+        _agent(agents, f"d{r}-{tag}", d.regions(r))
+        agent = agents[-1]
+        geom = Geometry(p.spec, d.spec, p.parallel, d.parallel, p_bound, _bound(d, r), r)
+        plan = geom.plan(n, p.tables(req_id), d.tables(req_id), cached)
+        for src, runs in plan.runs.items():
+            peer = agent.add_peer(p_meta[src])
+            s, dst, length = runs.as_uint64()
+            handle = agent.read(peer, dst, s, length)
+            if agent.poll(handle) is not XferState.DONE:
+                raise EngineError(f"loopback read from P rank {src} did not complete")
+            handle.release()
+        total, runs_n = total + plan.nbytes, runs_n + plan.descriptors
+    for a in agents:
+        a.close()
+    return Moved(total, runs_n)
+
+
+def _agent(agents: list[Transport], name: str, regions: list[tuple[int, int]]) -> bytes:
+    """A loopback agent over ``regions`` (appended to ``agents``); its metadata."""
+    agents.append(make_transport("loopback", name))
+    return agents[-1].register([Region(a, n) for a, n in regions])
+
+
+def _bound(inst: Instance, rank: int) -> Bound:
+    return Bound(inst.layout(rank), tuple(a for a, _ in inst.regions(rank)))
