@@ -80,6 +80,8 @@ def main() -> None:
     def ms(xs: list[float]) -> str:
         return f"{statistics.median(xs[warm]) * 1e3:.3f}"
 
+    first = {k: round(v[0] * 1e3, 3) for k, v in stages.items()}
+    print(f"first request on the new pair: {seconds[0] * 1e3:.3f} ms; stages {first}")
     print(
         f"{args.requests} requests × {args.tokens} tokens over {args.transport}"
         f"{' (with prompt digests)' if with_prompt else ''}: load median {ms(seconds)} ms; "
