@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 
+from kvbridge.adapter import decode_handle
 from kvbridge.api import (
     Consumer,
     ModelSpec,
@@ -24,7 +25,6 @@ from kvbridge.api import (
     Parallel,
     ProducerWorker,
     RankLayout,
-    TransferHandle,
     Transport,
     make_transport,
 )
@@ -91,9 +91,9 @@ class RankKV:
         return Ack()
 
     def load(self, cmd: LoadKV) -> Ack:
-        handle = TransferHandle.from_bytes(cmd.handle)
+        handle = decode_handle(cmd.job.handle)
         self.outcomes.pop(handle.request_id, None)  # a stale outcome of an earlier attempt
-        self._consumer().load(handle, [list(t) for t in cmd.tables], cmd.cached)
+        self._consumer().load(handle, [list(t) for t in cmd.job.tables], cmd.job.cached)
         return Ack()
 
     def await_outcome(self, cmd: AwaitKV) -> Loaded:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.adapter import LoadJob
 from kvbridge.api import Mode, Outcome, Policy, RankInfo, SideConfig
 from refengine.config import ModelConfig
 from refengine.processes import Failed, Stop
@@ -75,12 +76,10 @@ class ConsumeKV:
 
 @dataclass(frozen=True, slots=True)
 class LoadKV:
-    """D rank: load the request of ``handle`` (``TransferHandle`` bytes) into ``tables``
-    (block ids per group) after the ``cached`` tokens D already has; reply :class:`Ack`."""
+    """D rank: load ``job``'s handle into its tables (block ids per group) after the
+    ``cached`` tokens D already has; reply :class:`Ack`."""
 
-    handle: bytes
-    tables: tuple[tuple[int, ...], ...]
-    cached: int
+    job: LoadJob
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbridge.adapter import LoadJob, decode_handle, encode_handle, failure, refusal, summed
 from kvbridge.api import (
     Mode,
     Outcome,
@@ -169,7 +170,7 @@ class DecodeServer:
     ) -> Decoded:
         """``n_new`` tokens of ``prompt`` (the first one from P's handle); the KV of tokens
         ``[n_cached, len(prompt))`` comes from P, the first ``n_cached`` are computed here."""
-        h = TransferHandle.from_bytes(handle)
+        h = decode_handle(handle)
         if h.request_id != req_id or h.n_tokens != len(prompt):
             raise PeerError(
                 f"handle is for {h.request_id!r} ({h.n_tokens} tokens), "
@@ -177,17 +178,15 @@ class DecodeServer:
             )
         tables = self.engine.reserve(req_id, prompt, n_cached)
         try:
-            outcomes = self._load(req_id, prompt, handle, tables, n_cached)
-            moved = sum(o.bytes for o in outcomes), sum(o.descriptors for o in outcomes)
-            seconds = max(o.seconds for o in outcomes)
-            if all(o.ok for o in outcomes):
+            out = summed(req_id, self._load(req_id, prompt, h, tables, n_cached))
+            moved = out.bytes, out.descriptors, out.seconds
+            if out.ok:
                 self.engine.start_decode(req_id, _first_token(h))
                 tokens = [_first_token(h), *self.engine.decode(req_id, n_new - 1)]
-                return Decoded(tokens, *moved, seconds)
-            error = "; ".join(f"D rank {r}: {o.error}" for r, o in enumerate(outcomes) if not o.ok)
-            if any(o.action is Policy.FAIL for o in outcomes):
-                raise EngineError(f"transfer of {req_id!r} failed: {error}")
-            return Decoded(self._recompute(req_id, prompt, n_new), *moved, seconds, True, error)
+                return Decoded(tokens, *moved)
+            if out.action is Policy.FAIL:
+                raise EngineError(f"transfer of {req_id!r} failed: {out.error}")
+            return Decoded(self._recompute(req_id, prompt, n_new), *moved, True, out.error)
         finally:
             self.engine.free(req_id)
 
@@ -198,19 +197,17 @@ class DecodeServer:
         self,
         req_id: str,
         prompt: Sequence[int],
-        handle: bytes,
+        handle: TransferHandle,
         tables: list[list[int]],
         n_cached: int,
     ) -> list[Outcome]:
         """Every D rank's outcome; a handle of another prompt fails on every rank before
         any is asked to load (nothing reaches P), and the policy decides as for any failure."""
-        try:
-            TransferHandle.from_bytes(handle).check_prompt(prompt)
-        except PromptMismatch as e:
-            failed = Outcome(req_id, False, action=self.policy, error=f"PromptMismatch: {e}")
-            return [failed] * self.engine.world
-        frozen = tuple(tuple(t) for t in tables)
-        self.engine.call_ranks(LoadKV(handle, frozen, n_cached))
+        text = encode_handle(handle)
+        job = LoadJob(req_id, text, tables, n_cached, refusal(text, prompt))
+        if job.refused:
+            return [failure(req_id, PromptMismatch(job.refused), self.policy)] * self.engine.world
+        self.engine.call_ranks(LoadKV(job))
         replies = self.engine.call_ranks(AwaitKV(req_id, self.await_s))
         return [r.outcome for r in replies if isinstance(r, Loaded)]
 

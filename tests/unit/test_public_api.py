@@ -51,12 +51,14 @@ REFENGINE = ROOT / "src" / "refengine"
 ALLOWED = {
     REFENGINE: (
         "kvbridge.api",
+        "kvbridge.adapter",  # the engine-neutral half of an engine adapter
         "kvbridge.registry",  # the name-keyed table behind the mixers (refengine/mixers.py)
         "kvbridge.cli",  # `kvbridge demo`'s arguments and report (refengine/demo.py)
         "kvbridge.jsonio",  # `kvbridge demo --json`
     ),
     PKG / "integrations": (
         "kvbridge.api",
+        "kvbridge.adapter",
         "kvbridge.integrations",
         "kvbridge.envs",  # settings read from the environment (progress delay)
     ),
@@ -71,6 +73,27 @@ def test_engine_and_integrations_use_the_public_api_only() -> None:
                 if not mod.startswith(allowed):
                     bad.append(f"{path.relative_to(ROOT)}: {mod}")
     assert bad == []
+
+
+def test_the_adapter_imports_no_engine() -> None:
+    """``kvbridge.adapter`` is engine-neutral: of kvbridge the public API and the registry
+    only, no engine, torch or numpy of its own; importing it loads no engine (torch comes
+    with ``kvbridge.api``'s connector)."""
+    allowed = ("kvbridge.api", "kvbridge.adapter", "kvbridge.registry")
+    for path in (PKG / "adapter").rglob("*.py"):
+        assert all(m.startswith(allowed) for m in _kvbridge_imports(path)), path.name
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        heavy = {m.split(".")[0] for m in names} & {"vllm", "torch", "numpy", "refengine"}
+        assert not heavy, f"{path.name}: {heavy}"
+    code = (
+        "import sys, kvbridge.adapter; "
+        "print(sorted(m for m in ('vllm', 'refengine') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 LAZY = {"benchmarks": "cli/bench_cmd.py", "refengine": "cli/demo_cmd.py"}

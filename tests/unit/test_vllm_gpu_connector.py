@@ -41,14 +41,14 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvbridge.adapter import HANDLE_KEY, decode_handle
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseReply, PushRefused, PushRuns, tables_digest
 from kvbridge.integrations.vllm import worker as worker_module
 from kvbridge.integrations.vllm.cache import read_cache
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
-from kvbridge.integrations.vllm.metadata import HANDLE_KEY, StepMeta, decode_info
+from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
 from kvbridge.integrations.vllm.placement import place
-from kvbridge.integrations.vllm.scheduler import decode_handle
 from tests.unit.test_vllm_gpu_layout import HD, KINDS, NB, layer_of, storage, write, write_tokens
 
 HEADS = {"kv": 4, "diffkv": 4, "mla": 1, "MAMBA2": 2, "GDN_ATTN": 2}

@@ -10,9 +10,10 @@ import pytest
 pytest.importorskip("vllm")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvbridge.adapter import observation
 from kvbridge.api import Outcome
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
-from kvbridge.integrations.vllm.stats import KVBridgeStats, observation
+from kvbridge.integrations.vllm.stats import KVBridgeStats
 
 
 def _observe(*outcomes: Outcome) -> CollectorRegistry:

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.adapter import state_tables
 from kvbridge.api import (
     ConfigError,
     Group,
@@ -86,18 +87,10 @@ class VllmCache:
     one per layer): what :mod:`~kvbridge.integrations.vllm.gpu_layout` checks views against."""
 
     def state_tables(self, tables: list[list[int]], n_computed: int) -> list[list[int]]:
-        """vLLM's per-group block lists with each Mamba group cut to its one state slot:
-        the block holding the running state after ``n_computed`` tokens. A group whose
-        slot is missing (a null block, a short list) gets an empty table, which the plan
-        refuses: that request fails alone, by policy, as vLLM wants for Mamba groups."""
-        if not self.state_blocks:
-            return tables
-        out = list(tables)
-        for g, bs in self.state_blocks.items():
-            i = 0 if self.state_mode == "none" else max(n_computed - 1, 0) // bs
-            tab = tables[g] if g < len(tables) else []
-            out[g] = [tab[i]] if i < len(tab) and tab[i] != 0 else []
-        return out
+        """vLLM's per-group block lists with each Mamba group cut to its one state slot
+        (:func:`kvbridge.adapter.state_tables`): that request fails alone if a slot is
+        missing, by policy, as vLLM wants for Mamba groups."""
+        return state_tables(tables, self.state_blocks, self.state_mode, n_computed)
 
 
 def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:

@@ -10,23 +10,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from kvbridge.adapter import LoadJob
 from kvbridge.api import PeerError, RankInfo
-
-HANDLE_KEY = "kvbridge"
-"""The ``kv_transfer_params`` key that carries the transfer handle from P to D."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadJob:
-    """D: load ``handle``'s tokens beyond ``cached`` into local ``tables`` (per group)."""
-
-    request_id: str
-    handle: str
-    tables: list[list[int]]
-    cached: int
-    refused: str = ""
-    """Why the scheduler refused the handle (e.g. it holds another prompt's KV): the
-    load fails with this error, nothing is sent to P."""
 
 
 @dataclass

@@ -15,60 +15,32 @@ local prefix-cache hit.
 
 from __future__ import annotations
 
-import base64
 import logging
 from typing import Any
 
-from kvbridge.api import Keys, KVBridgeError, PeerError, Producer, RankInfo, TransferHandle
+from kvbridge.adapter import (
+    HANDLE_KEY,
+    LoadJob,
+    Requests,
+    decode_handle,
+    encode_handle,
+    increase,
+    refusal,
+)
+from kvbridge.api import Keys, KVBridgeError, Producer, RankInfo
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
-from kvbridge.integrations.vllm.metadata import HANDLE_KEY, LoadJob, StepMeta, decode_info
-from kvbridge.integrations.vllm.stats import increase
+from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
 
 log = logging.getLogger(__name__)
-
-
-def encode_handle(handle: TransferHandle) -> str:
-    return base64.b64encode(handle.to_bytes()).decode()
-
-
-def decode_handle(text: Any) -> TransferHandle:
-    """The handle of ``kv_transfer_params["kvbridge"]``; :class:`PeerError` if malformed."""
-    if not isinstance(text, str):
-        raise PeerError(f"kv_transfer_params.{HANDLE_KEY} is {type(text).__name__}, not str")
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except ValueError as e:
-        raise PeerError(f"kv_transfer_params.{HANDLE_KEY} is not base64: {e}") from None
-    return TransferHandle.from_bytes(raw)
-
-
-def refusal(text: str, request: Any) -> str:
-    """Why D must not load the handle ``text`` for ``request``, "" if it may: the handle
-    holds the KV of other prompt tokens (:meth:`TransferHandle.check_prompt` against
-    vLLM's ``prompt_token_ids``; none for a prompt given as embeddings). A malformed
-    handle is left to the workers, which report it."""
-    try:
-        handle = decode_handle(text)
-    except KVBridgeError:
-        return ""
-    try:
-        handle.check_prompt(getattr(request, "prompt_token_ids", None))
-    except KVBridgeError as e:  # never raise into vLLM's scheduler
-        return str(e)
-    return ""
 
 
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, cache: VllmCache):
         self.cfg, self.cache = cfg, cache
         self.producer: Producer | None = None
-        self._loads: list[LoadJob] = []
-        self._releases: list[str] = []
-        self._started: set[str] = set()
-        self._remote: set[str] = set()
-        """P: requests prefilled for remote decode, until they end."""
+        self.requests = Requests()
         self._refused: dict[str, int] = {}
         """P: lease refusals by cause, as of the last step."""
         self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
@@ -103,7 +75,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not (self.cfg.producer and params and params.get("do_remote_decode")):
             return
-        self._remote.add(request.request_id)
+        self.requests.prefill_for_remote(request.request_id)
         if request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
             del request.prompt_token_ids[-1:]
             del request._all_token_ids[-1:]
@@ -113,8 +85,7 @@ class SchedulerSide:
     def request_finished(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._started.discard(request.request_id)
-        self._remote.discard(request.request_id)
+        self.requests.finished(request.request_id)
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode")) or self.producer is None:
             return False, None
@@ -131,7 +102,7 @@ class SchedulerSide:
     # --- D ---------------------------------------------------------------------------
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
-        if text is None or not self.cfg.consumer or request.request_id in self._started:
+        if text is None or not self.cfg.consumer or self.requests.begun(request.request_id):
             return 0, False
         try:
             n = decode_handle(text).n_tokens
@@ -142,26 +113,23 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
-        if text is None or not self.cfg.consumer or request.request_id in self._started:
+        if text is None or not self.cfg.consumer or self.requests.begun(request.request_id):
             return
-        refused = refusal(str(text), request)
+        # vLLM's prompt_token_ids: none for a prompt given as embeddings
+        refused = refusal(str(text), getattr(request, "prompt_token_ids", None))
         if num_external <= 0:
             # D's own cache holds the prompt: P may free the request's blocks now rather
             # than at lease expiry (not another prompt's: that would end its lease)
-            self._started.add(request.request_id)
             if refused:
                 log.warning(
                     "kvbridge: request %s keeps its handle: %s", request.request_id, refused
                 )
-            else:
-                self._releases.append(str(text))
+            self.requests.release(request.request_id, "" if refused else str(text))
             return
         n, _ = self.matched_tokens(request, 0)
         tables = self.cache.state_tables([list(map(int, g)) for g in blocks.get_block_ids()], n)
-        self._started.add(request.request_id)
-        self._loads.append(
-            LoadJob(request.request_id, str(text), tables, n - num_external, refused)
-        )
+        job = LoadJob(request.request_id, str(text), tables, n - num_external, refused)
+        self.requests.load(job)
 
     # --- both ------------------------------------------------------------------------
     def step_meta(self, scheduled: Any = None) -> StepMeta:
@@ -171,13 +139,12 @@ class SchedulerSide:
             [(f.request_id, f.reason.value) for f in self.producer.freed()] if self.producer else []
         )
         ids = getattr(scheduled, "num_scheduled_tokens", None)
-        save = ids is None or any(r in self._remote for r in ids)
+        save = self.requests.any_remote(ids)
         refused = increase(self.producer.leases.refused, self._refused) if self.producer else {}
         for cause, n in refused.items():  # one line per cause and step, however many
             log.warning("kvbridge P %s refused %d lease op(s): %s", self.cfg.engine_id, n, cause)
-        meta = StepMeta(self._loads, freed, self._releases, save, refused)
-        self._loads, self._releases = [], []
-        return meta
+        loads, releases = self.requests.take()
+        return StepMeta(loads, freed, releases, save, refused)
 
     def close(self) -> None:
         if self.producer is not None:

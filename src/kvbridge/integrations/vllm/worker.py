@@ -12,15 +12,15 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from dataclasses import replace
 
+from kvbridge.adapter import Loading, LoadJob, Tally, decode_handle, increase
+from kvbridge.adapter.metrics import Sample
 from kvbridge.api import (
     Consumer,
     Keys,
     KVBridgeError,
-    Outcome,
     ProducerWorker,
-    PromptMismatch,
+    TransferHandle,
     Transport,
     make_transport,
 )
@@ -29,8 +29,6 @@ from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
 from kvbridge.integrations.vllm.placement import Placement
-from kvbridge.integrations.vllm.scheduler import decode_handle
-from kvbridge.integrations.vllm.stats import increase, observation
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +39,14 @@ class WorkerSide:
         self.producer: ProducerWorker | None = None
         self.consumer: Consumer | None = None
         self._transports: list[Transport] = []
-        self._by_handle: dict[str, str] = {}
-        """P request id of a loading handle → D request id."""
+        self.loading = Loading()
         self._sent: set[str] = set()
-        self._failed: list[Outcome] = []
-        self.observed: list[dict[str, object]] = []
-        """Loads finished since vLLM last asked for stats (see stats.py)."""
-        self.events: Counter[str] = Counter()
-        """Lease ends and refusals (P), releases (D) since vLLM last asked for stats."""
+        self.tally = Tally()
+        """Loads finished, lease ends and refusals (P), releases (D) since vLLM last
+        asked for stats; totals since start."""
+        self.totals: Counter[str] = self.tally.totals
         self._refused: dict[str, int] = {}
         """P: this rank's push refusals by cause, as of the last report."""
-        self.totals: Counter[str] = Counter()
-        """Loads ok / failed, bytes and descriptors moved, since start."""
         self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
         """Per group: described blocks per vLLM block (set by :meth:`register`)."""
 
@@ -105,63 +99,38 @@ class WorkerSide:
         return RankMeta(encode_info(self.producer.info)) if self.producer else None
 
     def start(self, meta: StepMeta) -> None:
+        first = self.rank == 0  # every rank sees the same lease; count it once
         for request_id, ended in meta.freed:
             self._sent.add(request_id)
-            self.totals[f"leases_{ended}"] += 1
-            if self.rank == 0:  # every rank sees the same lease; count it once
-                self.events[f"lease_{ended}"] += 1
+            self.tally.event(f"lease_{ended}", 1, f"leases_{ended}", report=first)
         for cause, n in meta.refused.items():  # refused by P's scheduler process
-            self.totals[f"refused_lease:{cause}"] += n
-            if self.rank == 0:
-                self.events[f"refused_lease:{cause}"] += n
+            self.tally.event(f"refused_lease:{cause}", n, report=first)
         for text in meta.releases:
             try:
                 if self.consumer is not None:
                     self.consumer.release(decode_handle(text))
-                    self.totals.update(releases=1)
-                    self.events["release"] += 1
+                    self.tally.event("release", 1, "releases")
             except KVBridgeError as e:  # P frees the blocks at lease expiry instead
                 log.warning("kvbridge: cannot release a handle at P: %s", e)
         for job in meta.loads:
             try:
                 if self.consumer is None:
                     raise KVBridgeError("this engine is not a kv_consumer")
-                if job.refused:  # by the scheduler, which has the prompt: nothing reaches P
-                    raise PromptMismatch(job.refused)
-                handle = decode_handle(job.handle)
-                if handle.request_id in self._by_handle:
-                    raise KVBridgeError(f"handle of P request {handle.request_id!r} is loading")
-                self._by_handle[handle.request_id] = job.request_id
-                try:
-                    tables = kernel_tables(job.tables, self.splits)
-                    self.consumer.load(handle, tables, job.cached)
-                except KVBridgeError:
-                    self._by_handle.pop(handle.request_id, None)
-                    raise
+                self.loading.start(job, self._load)
             except KVBridgeError as e:
                 log.error("kvbridge: request %s cannot load: %s", job.request_id, e)
-                # never queued: 0 s and no stages, so counted but not timed (stats.py)
-                self._failed.append(
-                    Outcome(job.request_id, False, error=f"{type(e).__name__}: {e}")
-                )
+                self.loading.fail(job.request_id, e)  # never queued: counted, not timed
+
+    def _load(self, handle: TransferHandle, job: LoadJob) -> None:
+        assert self.consumer is not None
+        self.consumer.load(handle, kernel_tables(job.tables, self.splits), job.cached)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished sending, finished receiving, failed receiving)`` since the last call."""
-        done = list(self._failed)
-        self._failed = []
-        for out in self.consumer.poll() if self.consumer else []:
-            rid = self._by_handle.pop(out.request_id, out.request_id)
-            done.append(replace(out, request_id=rid))
+        done = self.loading.finished(self.consumer.poll() if self.consumer else [])
         for out in done:
-            self.totals.update(
-                loads_ok=int(out.ok),
-                loads_failed=int(not out.ok),
-                bytes=out.bytes,
-                descriptors=out.descriptors,
-            )
-            self.observed.append(observation(out))
+            self.tally.load(out)
             if not out.ok:
-                self.totals[f"failed_{(out.error or 'unknown').split(':', 1)[0]}"] += 1
                 stages = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in out.stages.items())
                 log.error(
                     "kvbridge: load of request %s failed after %.2f s (%s): %s",
@@ -173,17 +142,14 @@ class WorkerSide:
         sent, self._sent = self._sent, set()
         return sent, {o.request_id for o in done}, {o.request_id for o in done if not o.ok}
 
-    def take_observed(self) -> tuple[list[dict[str, object]], dict[str, int]]:
+    def take_observed(self) -> tuple[list[dict[str, list[Sample]]], dict[str, int]]:
         """Loads finished and events counted since the last call (P: with the pushes this
         rank refused)."""
         if self.producer is not None:
             for cause, n in increase(self.producer.ledger.refused, self._refused).items():
                 log.warning("kvbridge P rank %d refused %d push(es): %s", self.rank, n, cause)
-                self.totals[f"refused_push:{cause}"] += n
-                self.events[f"refused_push:{cause}"] += n
-        out, events = self.observed, dict(self.events)
-        self.observed, self.events = [], Counter()
-        return out, events
+                self.tally.event(f"refused_push:{cause}", n)
+        return self.tally.take()
 
     def close(self) -> None:
         if self.consumer is not None:
