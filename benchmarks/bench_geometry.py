@@ -1,4 +1,4 @@
-"""Time D's handshake-time build of a :class:`~kvbridge.plan.build.Geometry` (who serves
+"""Time D's handshake-time build of a :class:`~kvbridge.plan.geometry.Geometry` (who serves
 what, bucket runs, links) for catalog models, TP pairs and layouts: median of
 ``--repeats`` builds per case, D rank 0, blocks of 16 on both sides.
 
@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from kvbridge.layout.side import SideConfig
 from kvbridge.plan import dry_run
-from kvbridge.plan.build import Geometry
+from kvbridge.plan.geometry import Geometry
 from kvbridge.spec.load import load_model
 
 CASES = [

@@ -24,8 +24,8 @@ from kvbridge.connector import device_memory
 from kvbridge.connector.device_memory import Span, equal_runs
 from kvbridge.connector.kernel_mover import copy_groups
 from kvbridge.layout.tensor import Region
-from kvbridge.plan import Geometry
-from kvbridge.plan.geometry import Bound
+from kvbridge.plan import Geometry, Side
+from kvbridge.plan.pattern import Bound
 from kvbridge.spec import Parallel
 
 
@@ -46,7 +46,7 @@ def case(tokens: int, p_tp: int, d_tp: int, layout: str, calls: int) -> str:
     spec = llama(32)
     p_b = bound_all(spec, Parallel(p_tp), layout, 4000, 1 << 44)
     d_b = bound_all(spec, Parallel(d_tp), layout, 4000, 1 << 45)
-    geom = Geometry(spec, spec, Parallel(p_tp), Parallel(d_tp), p_b, d_b[0], 0)
+    geom = Geometry(Side(spec, Parallel(p_tp), p_b), Side(spec, Parallel(d_tp), d_b), 0)
     p_spans, d_span = spans_of(p_b), spans_of(d_b[:1])[0]
     need = -(-tokens // spec.groups[0].block_size)
     rng = np.random.default_rng(0)
@@ -63,7 +63,8 @@ def case(tokens: int, p_tp: int, d_tp: int, layout: str, calls: int) -> str:
 
     p_off = [Bound(b.layout, s.bases) for b, s in zip(p_b, p_spans, strict=True)]
     d_off = Bound(d_b[0].layout, d_span.bases)
-    in_offsets = Geometry(spec, spec, Parallel(p_tp), Parallel(d_tp), p_off, d_off, 0)
+    d_side = Side(spec, Parallel(d_tp), [d_off])
+    in_offsets = Geometry(Side(spec, Parallel(p_tp), p_off), d_side, 0)
 
     def request() -> int:
         plan = in_offsets.plan(tokens, p_ids, d_ids)

@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks.shapes import llama
 from kvbridge.layout import build_layout
-from kvbridge.plan import Bound, Geometry
+from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import ModelSpec, Parallel
 
 
@@ -65,7 +65,7 @@ def run_case(
     p_b = bound_all(spec, p_par, layout, blocks, 1 << 44)
     d_b = bound_all(spec, d_par, layout, blocks, 1 << 45)
     t0 = time.perf_counter()
-    geom = Geometry(spec, spec, p_par, d_par, p_b, d_b[0], 0)
+    geom = Geometry(Side(spec, p_par, p_b), Side(spec, d_par, d_b), 0)
     geo_ms = (time.perf_counter() - t0) * 1e3
     need = -(-tokens // spec.groups[0].block_size)
     rng = np.random.default_rng(0)

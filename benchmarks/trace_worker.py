@@ -26,7 +26,7 @@ from kvbridge.connector.spans import regions_of
 from kvbridge.connector.staging import Stager
 from kvbridge.errors import PlanError
 from kvbridge.layout import RankLayout
-from kvbridge.plan import Bound, Geometry
+from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import ModelSpec, Parallel
 from kvbridge.transport.base import Region
 from kvbridge.transport.nixl import NixlTransport
@@ -190,7 +190,7 @@ def _d_setup(p: Connection, case: tc.Case, res: CaseResult) -> tuple[_D, NixlTra
     p_bound = [Bound(lay, b) for lay, b in zip(p_lays, ready.bases, strict=True)]
     d_bound = Bound(d_lay, tuple(int(r.ctypes.data) for r in regions))
     par_p, par_d = Parallel(case.p_tp), Parallel(case.d_tp)
-    geom = Geometry(spec, spec, par_p, par_d, p_bound, d_bound, 0, pad_blocks=True)
+    geom = Geometry(Side(spec, par_p, p_bound), Side(spec, par_d, [d_bound]), 0, pad_blocks=True)
     vllm = _vllm(case, p_lays, d_lay, geom, transport, agents, res)
     state = tuple(spec.is_state_group(g) for g in range(len(spec.groups)))
     starts = (

@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.shapes import llama
 from kvbridge.layout import build_layout
-from kvbridge.plan import Bound, Geometry
+from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import Parallel
 
 
@@ -68,7 +68,8 @@ def _d_main(conn: Connection, case: Case, blocks: int, scratch: int, repeats: in
     p_lay = build_layout(spec, Parallel(case.p_tp), 0, case.layout, blocks)
     p_bound = Bound(p_lay, tuple(p_bases[:-1]))
     d_bound = Bound(lay, tuple(int(b.ctypes.data) for b in bufs[:-1]))
-    geom = Geometry(spec, spec, Parallel(case.p_tp), Parallel(case.d_tp), [p_bound], d_bound, 0)
+    p_side = Side(spec, Parallel(case.p_tp), [p_bound])
+    geom = Geometry(p_side, Side(spec, Parallel(case.d_tp), [d_bound]), 0)
     need = -(-case.tokens // 16)
     rng = np.random.default_rng(0)
     if case.block_ids == "shuffled":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbridge.api import Bound, Geometry, Parallel, build_layout, load_model
+from kvbridge.api import Bound, Geometry, Parallel, Side, build_layout, load_model
 
 
 def bound(spec, par, rank, layout, blocks, base):  # type: ignore[no-untyped-def]
@@ -35,7 +35,7 @@ def main() -> None:
         p_spec, d_spec = spec.with_block_sizes(16), spec.with_block_sizes(32)
         p = bound(p_spec, p_par, 0, p_layout, blocks, 1 << 40)
         d = bound(d_spec, d_par, 0, d_layout, blocks, 1 << 44)
-        geometry = Geometry(p_spec, d_spec, p_par, d_par, [p], d, d_rank=0)
+        geometry = Geometry(Side(p_spec, p_par, [p]), Side(d_spec, d_par, [d]), d_rank=0)
         p_tables, d_tables = (
             tables(p_spec, n_tokens, rng, blocks),
             tables(d_spec, n_tokens, rng, blocks),

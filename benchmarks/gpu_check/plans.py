@@ -8,7 +8,7 @@ from __future__ import annotations
 from benchmarks.gpu_check.cases import Case, Request
 from benchmarks.gpu_check.vllm_like import Refused, pair_runs
 from kvbridge.layout.view import RankLayout
-from kvbridge.plan import Bound, Geometry
+from kvbridge.plan import Bound, Geometry, Side
 
 STAND_IN = 1 << 40
 """Stand-in region addresses start here, each rank 2^36 bytes after the previous one."""
@@ -33,7 +33,7 @@ def rank_bytes(case: Case, reqs: list[Request]) -> list[tuple[int, ...]]:
     """Per request, the bytes each D rank receives."""
     p_b, d_b = _bounds(case)
     (sp, sd), (pp, pd) = case.specs(), case.pars()
-    geoms = [Geometry(sp, sd, pp, pd, p_b, d_b[d], d) for d in range(pd.world)]
+    geoms = [Geometry(Side(sp, pp, p_b), Side(sd, pd, d_b), d) for d in range(pd.world)]
     return [tuple(g.plan(r.tokens, r.p_tables, r.d_tables).nbytes for g in geoms) for r in reqs]
 
 

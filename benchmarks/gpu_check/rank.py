@@ -28,7 +28,7 @@ from kvbridge.connector import Consumer, Mode, ProducerWorker, TransferHandle
 from kvbridge.connector.kernel_mover import Span
 from kvbridge.layout.tensor import Region, regions_at
 from kvbridge.layout.view import RankLayout
-from kvbridge.plan import Bound, Geometry
+from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import ModelSpec, Parallel
 from kvbridge.transport.ipc import Opened, export
 from kvbridge.transport.memory import byte_tensor
@@ -158,7 +158,7 @@ def connect(st: RankState, cmd: m.Connect) -> None:
     (sp, sd), (pp, pd) = st.specs, st.pars
     for d in [st.rank] if st.role == "D" else range(pd.world):
         if d not in st.geoms:
-            st.geoms[d] = Geometry(sp, sd, pp, pd, p_b, d_b[d], d)
+            st.geoms[d] = Geometry(Side(sp, pp, p_b), Side(sd, pd, d_b), d)
 
 
 def load(st: RankState, cmd: m.Load) -> m.Timing:
@@ -211,7 +211,7 @@ def open_maps(st: RankState, cmd: m.OpenMaps) -> None:
     (sp, sd), (pp, pd) = st.specs, st.pars
     p_off = [Bound(b.layout, st.maps[r].bases) if r in st.maps else b for r, b in enumerate(p_b)]
     d_off = Bound(d_b[st.rank].layout, st.own.bases)
-    st.kernel_geom = Geometry(sp, sd, pp, pd, p_off, d_off, st.rank)
+    st.kernel_geom = Geometry(Side(sp, pp, p_off), Side(sd, pd, {st.rank: d_off}), st.rank)
     if cmd.staging is not None:
         opened = Opened([cmd.staging], st.pools.kind, 0)
         st.opened.append(opened)

@@ -25,8 +25,15 @@ import numpy as np
 
 from kvbridge.errors import PlanError
 from kvbridge.layout.view import RankLayout
-from kvbridge.plan.build import state_or_equal
-from kvbridge.plan.geometry import Bound, Bucket, concat_fine, fine_runs, rule_key, tile_of
+from kvbridge.plan.pattern import (
+    Bound,
+    Bucket,
+    concat_fine,
+    fine_runs,
+    rule_key,
+    state_or_equal,
+    tile_of,
+)
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.topology.sources import sources

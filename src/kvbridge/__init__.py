@@ -43,6 +43,7 @@ _API = frozenset(
         "Region",
         "RegionSet",
         "Segment",
+        "Side",
         "SideConfig",
         "SpecError",
         "Stream",

@@ -10,7 +10,7 @@ Say where it lives        SideConfig (one instance's shape), build_layout, layou
                           register_layout, RankLayout, View;
                           engine tensors: RegionSet, TensorDesc, tensor_views;
                           where memory lives: MemKind (host or a GPU's)
-Plan (no I/O)             Geometry, Bound, Plan
+Plan (no I/O)             Geometry, Side, Bound, Plan
 Move bytes                make_transport, register_transport, transport_names,
                           Transport, Region, XferState
 Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
@@ -55,7 +55,7 @@ from kvbridge.layout import (
     register_layout,
 )
 from kvbridge.layout.tensor import MemKind, RegionSet, TensorDesc, tensor_views
-from kvbridge.plan import Bound, Geometry, Plan
+from kvbridge.plan import Bound, Geometry, Plan, Side
 from kvbridge.spec import (
     DType,
     Group,
@@ -121,6 +121,7 @@ __all__ = [
     "Region",
     "RegionSet",
     "Segment",
+    "Side",
     "SideConfig",
     "SpecError",
     "Stream",

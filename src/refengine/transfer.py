@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from kvbridge.api import Bound, Geometry, Region, Transport, XferState, make_transport
+from kvbridge.api import Bound, Geometry, Region, Side, Transport, XferState, make_transport
 from refengine.errors import EngineError
 from refengine.instance import Instance
 
@@ -43,12 +43,12 @@ def move_kv(p: Instance, d: Instance, req_id: str) -> Moved:
     tag = secrets.token_hex(4)
     agents: list[Transport] = []
     p_meta = [_agent(agents, f"p{r}-{tag}", p.regions(r)) for r in range(p.tp)]
-    p_bound = [_bound(p, r) for r in range(p.tp)]
+    p_side = Side(p.spec, p.parallel, [_bound(p, r) for r in range(p.tp)])
     total, runs_n = 0, 0
     for r in range(d.tp):
         _agent(agents, f"d{r}-{tag}", d.regions(r))
         agent = agents[-1]
-        geom = Geometry(p.spec, d.spec, p.parallel, d.parallel, p_bound, _bound(d, r), r)
+        geom = Geometry(p_side, Side(d.spec, d.parallel, {r: _bound(d, r)}), r)
         plan = geom.plan(n, p.tables(req_id), d.tables(req_id), cached)
         for src, runs in plan.runs.items():
             peer = agent.add_peer(p_meta[src])

@@ -9,8 +9,9 @@ import numpy as np
 
 from kvbridge.layout.build import build_layout
 from kvbridge.layout.view import RankLayout
-from kvbridge.plan.build import Geometry
-from kvbridge.plan.geometry import Bound
+from kvbridge.plan.geometry import Geometry
+from kvbridge.plan.geometry import Side as PlanSide
+from kvbridge.plan.pattern import Bound
 from kvbridge.plan.plan import Plan
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
@@ -107,7 +108,8 @@ def run_scenario(
         before = [b.copy() for b in d.bufs[r]]
         agent = LoopbackTransport(f"d{r}", fabric)
         agent.register([Region(int(b.ctypes.data), b.nbytes) for b in d.bufs[r]])
-        geom = Geometry(p.spec, d.spec, p.par, d.par, p_bound, d.bound(r), r, pad_blocks)
+        d_side = PlanSide(d.spec, d.par, {r: d.bound(r)})
+        geom = Geometry(PlanSide(p.spec, p.par, p_bound), d_side, r, pad_blocks)
         plan = geom.plan(n, p_tabs, d_tabs, cached)
         for src, runs in plan.runs.items():
             peer = agent.add_peer(p_agents[src].register([]))

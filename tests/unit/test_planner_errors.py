@@ -8,7 +8,7 @@ import pytest
 from kvbridge.errors import IncompatibleError, LayoutError, PlanError, SpecError, TransportError
 from kvbridge.layout import build_layout
 from kvbridge.layout.view import RankLayout, View
-from kvbridge.plan import Bound, Geometry
+from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import DType, Parallel, attention, group_by_kind
 from kvbridge.transport.base import Region
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
@@ -20,9 +20,8 @@ def geometry(spec=SPEC, d_spec=SPEC, p_tp=1, d_tp=1, blocks=10):
     p_lay = [build_layout(spec, Parallel(p_tp), r, "nhd", blocks) for r in range(p_tp)]
     d_lay = build_layout(d_spec, Parallel(d_tp), 0, "hnd", blocks)
     p_b = [Bound(lay, tuple(1 << 20 for _ in lay.regions)) for lay in p_lay]
-    return Geometry(
-        spec, d_spec, Parallel(p_tp), Parallel(d_tp), p_b, Bound(d_lay, (1 << 30,) * 2), 0
-    )
+    d_side = Side(d_spec, Parallel(d_tp), [Bound(d_lay, (1 << 30,) * 2)])
+    return Geometry(Side(spec, Parallel(p_tp), p_b), d_side, 0)
 
 
 @pytest.mark.parametrize(

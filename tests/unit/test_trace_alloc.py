@@ -14,7 +14,7 @@ from benchmarks import trace_pattern as pat
 from benchmarks.trace_alloc import BlockPool, TraceConfig, simulate
 from benchmarks.trace_case import Case, allocate, layouts, model_spec, sizing
 from kvbridge.errors import ConfigError
-from kvbridge.plan import Bound, Geometry
+from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import Parallel
 
 CFG = TraceConfig(blocks=400, median_tokens=60, max_tokens=800, slots=40, seed=7)
@@ -117,7 +117,8 @@ def test_pattern_check_sees_every_landed_byte(
         Bound(lay, tuple(r.ctypes.data for r in m)) for lay, m in zip(p_lays, p_mem, strict=True)
     ]
     d_bound = Bound(d_lay, tuple(r.ctypes.data for r in d_mem))
-    geom = Geometry(spec, spec, Parallel(p_tp), Parallel(d_tp), bound, d_bound, 0, pad_blocks=True)
+    d_side = Side(spec, Parallel(d_tp), [d_bound])
+    geom = Geometry(Side(spec, Parallel(p_tp), bound), d_side, 0, pad_blocks=True)
     req = simulate(size.trace, 1)[0][0]
     state = [spec.is_state_group(g) for g in range(len(spec.groups))]
     p_tab = [np.array([req.p_slot]) if s else req.p_blocks for s in state]

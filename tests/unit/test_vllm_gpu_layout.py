@@ -44,6 +44,7 @@ from kvbridge.api import (
     ModelSpec,
     Parallel,
     Region,
+    Side,
     View,
     attention,
     mla,
@@ -343,7 +344,8 @@ def transfer(p: list, d: list, ids: tuple, tabs: tuple, n: int, cached: int = 0)
         a = LoopbackTransport(f"d{r}", fabric)
         a.register([Region(b, s) for b, s in zip(g.bases, g.layout.regions, strict=True)])
         pars = Parallel(len(p)), Parallel(len(d))
-        geom = Geometry(p[0][1].spec, g.spec, *pars, bound, Bound(g.layout, tuple(g.bases)), r)
+        d_side = Side(g.spec, pars[1], {r: Bound(g.layout, tuple(g.bases))})
+        geom = Geometry(Side(p[0][1].spec, pars[0], bound), d_side, r)
         for src, runs in geom.plan(n, *tabs, cached).runs.items():
             s, dd, ln = runs.as_uint64()
             a.read(a.add_peer(agents[src].register([])), dd, s, ln)

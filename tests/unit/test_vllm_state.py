@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 
 from kvbridge.errors import ConfigError, PlanError  # noqa: E402
 from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout, read_cache  # noqa: E402
-from kvbridge.plan.build import Geometry  # noqa: E402
-from kvbridge.plan.geometry import Bound  # noqa: E402
+from kvbridge.plan.geometry import Geometry, Side  # noqa: E402
+from kvbridge.plan.pattern import Bound  # noqa: E402
 from kvbridge.spec.build import attention, gated_deltanet, mamba2  # noqa: E402
 from kvbridge.spec.dtypes import DType  # noqa: E402
 from kvbridge.transport.base import Region  # noqa: E402
@@ -192,9 +192,8 @@ def test_state_moves_byte_exact_across_tp(
     for r, rk in enumerate(d):
         a = LoopbackTransport(f"d{r}", fabric)
         a.register([Region(rk.bases[0], PAGE * BLOCKS)])
-        geom = Geometry(
-            pc.spec, dc.spec, pc.par, dc.par, bound, Bound(rk.layout, tuple(rk.bases)), r
-        )
+        d_side = Side(dc.spec, dc.par, {r: Bound(rk.layout, tuple(rk.bases))})
+        geom = Geometry(Side(pc.spec, pc.par, bound), d_side, r)
         plan = geom.plan(n, p_tabs, d_tabs)
         for src, runs in plan.runs.items():
             s, dd, ln = runs.as_uint64()
@@ -217,9 +216,8 @@ def test_missing_state_slot_fails_the_plan() -> None:
     cache = read_cache(*configs("MAMBA2", 1, 32))
     p, d = Rank(cache, 0, gen), Rank(cache, 0, gen)
     bound = [Bound(p.layout, tuple(p.bases))]
-    geom = Geometry(
-        cache.spec, cache.spec, cache.par, cache.par, bound, Bound(d.layout, tuple(d.bases)), 0
-    )
+    d_side = Side(cache.spec, cache.par, [Bound(d.layout, tuple(d.bases))])
+    geom = Geometry(Side(cache.spec, cache.par, bound), d_side, 0)
     tabs = cache.state_tables([[0, 0], [0, 5], [1, 2]], 40)  # layer 0's block is null
     with pytest.raises(PlanError, match="group 0"):
         geom.plan(40, tabs, cache.state_tables([[0, 3], [0, 4], [1, 2]], 40))

@@ -45,7 +45,7 @@ from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
 from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout
-from kvbridge.plan.geometry import Bound
+from kvbridge.plan.pattern import Bound
 from kvbridge.plan.plan import Plan
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import ModelSpec
@@ -91,7 +91,7 @@ class Consumer:
         """``model_id``: what this D serves; a P serving another id is refused.
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
         first and last blocks that lie outside the tokens D needs (see
-        :class:`~kvbridge.plan.build.Geometry`): fewer, larger runs.
+        :class:`~kvbridge.plan.geometry.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls of many small runs, split
         in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`); push
         mode stages through it too (:mod:`kvbridge.connector.push_staging`).

@@ -36,7 +36,7 @@ from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region, regions_at
-from kvbridge.plan.build import Geometry
+from kvbridge.plan.geometry import Geometry
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.ipc import Opened, node_id
 from kvbridge.transport.memory import torch_device

@@ -24,8 +24,8 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout, TransportError
-from kvbridge.plan.build import Geometry
-from kvbridge.plan.geometry import Bound
+from kvbridge.plan.geometry import Geometry, Side
+from kvbridge.plan.pattern import Bound
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport
@@ -228,9 +228,7 @@ class PeerCache:
         names = {g.name: bs for g, bs in zip(self.spec.groups, layouts[0].block_sizes, strict=True)}
         spec_p = self.spec.with_block_sizes(names)
         p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]
-        geometry = Geometry(
-            spec_p, self.spec, p_par, self.par, p_bound, self.bound, self.rank, self.pad_blocks
-        )
+        geometry = self._remake(spec_p, p_par, p_bound, {}, self.bound.bases)
         laps.append(time.perf_counter())
         agents = {}
         for info in reply.ranks:
@@ -272,8 +270,8 @@ class PeerCache:
         d_bases: tuple[int, ...],
     ) -> Geometry:
         p_b = [Bound(b.layout, p_bases.get(r, b.bases)) for r, b in enumerate(p_bound)]
-        d_b = Bound(self.bound.layout, d_bases)
-        return Geometry(spec_p, self.spec, p_par, self.par, p_b, d_b, self.rank, self.pad_blocks)
+        d = Side(self.spec, self.par, {self.rank: Bound(self.bound.layout, d_bases)})
+        return Geometry(Side(spec_p, p_par, p_b), d, self.rank, self.pad_blocks)
 
     def _forget(self, peer: Peer) -> None:
         """Drop ``peer``'s channels and its transport peers, except names a cached peer

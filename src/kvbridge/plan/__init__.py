@@ -2,8 +2,8 @@
 
 Map of the package: ``docs/structure.md``."""
 
-from kvbridge.plan.build import Geometry
-from kvbridge.plan.geometry import Bound
+from kvbridge.plan.geometry import Geometry, Side
+from kvbridge.plan.pattern import Bound
 from kvbridge.plan.plan import Plan, PlanSummary, SourceSummary
 from kvbridge.plan.runs import Runs, merge_adjacent
 
@@ -13,6 +13,7 @@ __all__ = [
     "Plan",
     "PlanSummary",
     "Runs",
+    "Side",
     "SourceSummary",
     "merge_adjacent",
 ]

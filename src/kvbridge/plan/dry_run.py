@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.layout import SideConfig, build_layout
-from kvbridge.plan.build import Geometry
-from kvbridge.plan.geometry import Bound
+from kvbridge.plan.geometry import Geometry, Side
+from kvbridge.plan.pattern import Bound
 from kvbridge.plan.plan import PlanSummary
 from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.model import ModelSpec
@@ -59,12 +59,11 @@ def dry_run(
     shuffle = shuffle_seed is not None
     p_tables = _tables(p_spec, tokens, pool, rng, shuffle)
     d_tables = _tables(d_spec, tokens, pool, rng, shuffle)
-    p_bound = [_bound(p_spec, p_par, r, p.layout, pool, _P_BASE) for r in range(p_par.world)]
-    out = []
+    p_bounds = [_bound(p_spec, p_par, r, p.layout, pool, _P_BASE) for r in range(p_par.world)]
+    p_side, out = Side(p_spec, p_par, p_bounds), []
     for r in range(d_par.world) if d_ranks is None else d_ranks:
-        d_bound = _bound(d_spec, d_par, r, d.layout, pool, _D_BASE)
-        geom = Geometry(p_spec, d_spec, p_par, d_par, p_bound, d_bound, r)
-        plan = geom.plan(tokens, p_tables, d_tables, cached)
+        d_side = Side(d_spec, d_par, {r: _bound(d_spec, d_par, r, d.layout, pool, _D_BASE)})
+        plan = Geometry(p_side, d_side, r).plan(tokens, p_tables, d_tables, cached)
         stage, tp_rank = d_par.coords(r)
         out.append(RankPlan(r, stage, tp_rank, plan.summary()))
     return out

@@ -1,229 +1,384 @@
-"""Geometry: the byte pattern of one tile, computed once per pair.
-
-A tile is ``lcm(bs_P, bs_D)`` tokens: ``T/bs_P`` P blocks and ``T/bs_D`` D blocks. For a
-state group the tile is one slot. Every run of the pattern is
-
-    (src block-in-tile, src offset, src block stride, dst block-in-tile, dst offset,
-     dst block stride, length)
-
-with offsets already holding the region base and the in-block position, so a request
-only adds ``block_id · stride``. Layers whose needed token range is computed the same way
-(full and MLA; each window; each chunk; state) share a *bucket* per source rank.
-"""
+"""Per-pair geometry and the per-request plan."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvbridge.layout.view import RankLayout, View
-from kvbridge.spec.model import Kind, Layer, ModelSpec
-from kvbridge.topology.sources import Piece
-
-FIELDS = ("token", "p_bit", "soff", "sstr", "d_bit", "doff", "dstr", "length", "kind")
-KIND_CODES = tuple(Kind)
+from kvbridge.errors import IncompatibleError, PlanError
+from kvbridge.plan.joins import (
+    FM,
+    PAIR_LIMIT,
+    Fast,
+    Keys,
+    M,
+    Tab,
+    Triple,
+    addresses,
+    chains,
+    check_written,
+    merge_all,
+    own_chains,
+    realize,
+    streak_runs,
+)
+from kvbridge.plan.links import GroupLimits, Link, RankLinks, rank_links
+from kvbridge.plan.pattern import (
+    Bound,
+    Bucket,
+    Pattern,
+    RuleKey,
+    concat_fine,
+    fine_runs,
+    rule_key,
+    state_or_equal,
+    tile_of,
+)
+from kvbridge.plan.plan import Plan, Use
+from kvbridge.plan.runs import Runs
+from kvbridge.plan.tables import spans as tile_spans_of
+from kvbridge.plan.tables import table
+from kvbridge.spec.model import ModelSpec
+from kvbridge.spec.parallel import Parallel
+from kvbridge.topology.sources import sources
 
 
 @dataclass(frozen=True, slots=True)
-class Bound:
-    """A rank's layout with the address of each of its regions."""
-
-    layout: RankLayout
-    bases: tuple[int, ...]
-
-    def base(self, v: View) -> int:
-        return self.bases[v.region] + v.offset
-
-
-@dataclass(slots=True)
-class Pattern:
-    """Coalesced runs of one tile restricted to token range ``[s, e)``; arrays of length R."""
-
-    p_bit: np.ndarray
-    """Per run: which of the tile's P blocks it lies in (0 … P blocks per tile − 1)."""
-    soff: np.ndarray
-    """Source address of the run in P block id 0 (region base + offsets)."""
-    sstr: np.ndarray
-    """P block stride of the run's view: its address is ``soff + id · sstr``."""
-    d_bit: np.ndarray
-    doff: np.ndarray
-    dstr: np.ndarray
-    """The same three on D's side."""
-    length: np.ndarray
-    nbytes: int
-    kind_bytes: dict[Kind, int]
-    streakable: bool = False
-    """Every run fills its whole block stride on both sides, one block per side and
-    tile: runs of consecutive tiles with consecutive ids on both sides join."""
-    soff_c: np.ndarray = field(init=False, repr=False)
-    """``*_c``: the arrays above as columns (shape ``(R, 1)``), to broadcast over tiles."""
-    sstr_c: np.ndarray = field(init=False, repr=False)
-    doff_c: np.ndarray = field(init=False, repr=False)
-    dstr_c: np.ndarray = field(init=False, repr=False)
-    len_c: np.ndarray = field(init=False, repr=False)
-    sstride: int = field(init=False)
-    """The block stride shared by every run on the P side, or 0 if they differ."""
-    dstride: int = field(init=False)
-
-    _lengths: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
-
-    def lengths(self, tiles: int) -> np.ndarray:
-        """Run lengths over ``tiles`` tiles, run-major; cached and read-only."""
-        out = self._lengths.get(tiles)
-        if out is None:
-            out = np.repeat(self.length, tiles)
-            out.flags.writeable = False
-            if len(self._lengths) < 4096:
-                self._lengths[tiles] = out
-        return out
-
-    def __post_init__(self) -> None:
-        us, ud = np.unique(self.sstr), np.unique(self.dstr)
-        self.sstride = int(us[0]) if us.shape[0] == 1 else 0
-        self.dstride = int(ud[0]) if ud.shape[0] == 1 else 0
-        self.soff_c, self.sstr_c = self.soff[:, None], self.sstr[:, None]
-        self.doff_c, self.dstr_c = self.doff[:, None], self.dstr[:, None]
-        self.len_c = self.length[:, None]
-
-
-@dataclass
-class Bucket:
-    """Layers of one group with the same needed-range rule, served by one source rank."""
-
-    group: int
-    src_rank: int
-    rule: RuleKey
-    """What the needed token range of every layer in the bucket depends on."""
+class GroupGeom:
     tile: int
-    single: bool
-    """One block per side per tile."""
-    fine: dict[str, np.ndarray]
-    _patterns: dict[tuple[int, int], Pattern] = field(default_factory=dict)
+    bp: int
+    bd: int
+    p_per_tile: int
+    """P blocks per tile."""
+    d_per_tile: int
+    """D blocks per tile."""
+    p_blocks: int
+    d_blocks: int
+    pool: int
+    state: bool
+    buckets: tuple[Bucket, ...]
+    pad: tuple[int, int] | None = None
+    """``(bs_P, bs_D)`` where partial blocks may move whole (``pad_blocks``), else None."""
+    mode: int = 0
+    """How its written D ids are keyed (:func:`kvbridge.plan.joins.written_keys`)."""
 
-    def pattern(self, s: int, e: int) -> Pattern:
-        """Runs for tokens ``[s, e)`` of the tile, coalesced; memoised per range."""
-        pat = self._patterns.get((s, e))
-        if pat is None:
-            pat = self._patterns[(s, e)] = _coalesce(self.fine, s, e, self.single)
-        return pat
-
-
-RuleKey = tuple[str, int, int]
-"""``(kind, window, chunk)``: what a layer's needed token range depends on."""
-
-
-def rule_key(layer: Layer) -> RuleKey:
-    """Layers with equal keys need the same token range (full and MLA share one)."""
-    if layer.kind in (Kind.FULL, Kind.MLA):
-        return (str(Kind.FULL), 0, 0)
-    return (str(layer.kind), layer.window, layer.chunk)
+    @property
+    def limits(self) -> GroupLimits:
+        return GroupLimits(self.p_blocks, self.d_blocks, self.p_per_tile, self.d_per_tile)
 
 
-def tile_of(spec_p: ModelSpec, spec_d: ModelSpec, g: int) -> tuple[int, int, int]:
-    """``(tile tokens, bs_P, bs_D)`` of group ``g``."""
-    bp, bd = spec_p.groups[g].block_size, spec_d.groups[g].block_size
-    return (math.lcm(bp, bd), bp, bd)
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """How a source rank's links are told per request: by a gap count of their pool's
+    keys (``fast``) or by comparing the keys of two tile sets (``slow``); ``one``: the
+    group of its only link when that is a streak told by a count, else -1."""
+
+    fast: tuple[Fast, ...]
+    slow: tuple[Link, ...]
+    one: int = -1
 
 
-def fine_runs(
-    piece: Piece, layer: Layer, src: Bound, dst: Bound, tile: int, bp: int, bd: int
-) -> dict[str, np.ndarray]:
-    """Runs of one piece over one tile, one unit per run (coalesced later)."""
-    sv = src.layout.view(piece.layer, piece.stream)
-    dv = dst.layout.view(piece.layer, piece.stream)
-    seg = piece.segment
-    if layer.kind is Kind.STATE:
-        rows = np.arange(sv.rows, dtype=np.int64)
-        token = np.zeros_like(rows)
-        srow, drow, p_bit, d_bit = rows, rows, token, token
-    else:
-        token = np.arange(tile, dtype=np.int64)
-        srow, p_bit = token % bp, token // bp
-        drow, d_bit = token % bd, token // bd
-    units = np.arange(piece.start, piece.stop, dtype=np.int64)
-    su = units - sv.seg_units[seg][0]
-    du = units - dv.seg_units[seg][0]
-    soff = src.base(sv) + sv.seg_offsets[seg] + srow * sv.row_strides[seg]
-    doff = dst.base(dv) + dv.seg_offsets[seg] + drow * dv.row_strides[seg]
-    soff = (soff[:, None] + su[None, :] * sv.unit_strides[seg]).ravel()
-    doff = (doff[:, None] + du[None, :] * dv.unit_strides[seg]).ravel()
-    sadd, dadd, part = _part_offsets(sv, dv, seg)
-    soff = (soff[:, None] + sadd[None, :]).ravel()
-    doff = (doff[:, None] + dadd[None, :]).ravel()
-    n = soff.shape[0]
-    reps = units.shape[0] * sadd.shape[0]
-    return {
-        "token": np.repeat(token, reps),
-        "p_bit": np.repeat(p_bit, reps),
-        "soff": soff,
-        "sstr": np.full(n, sv.block_stride, np.int64),
-        "d_bit": np.repeat(d_bit, reps),
-        "doff": doff,
-        "dstr": np.full(n, dv.block_stride, np.int64),
-        "length": np.full(n, part, np.int64),
-        "kind": np.full(n, KIND_CODES.index(layer.kind), np.int64),
-    }
+ALWAYS = Checks((), ())
+"""The source rank's runs are merged on every request."""
+
+Ids = Sequence[int] | np.ndarray
+Job = tuple[int, Bucket, Pattern, int, int]
+"""``(group, bucket, pattern, k_lo, k_hi)``: a pattern applied to tiles ``[k_lo, k_hi)``."""
 
 
-def _part_offsets(sv: View, dv: View, seg: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Offsets within a unit of the parts both sides keep contiguous, and their size.
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One instance of a pair: its spec, parallelism and ranks' :class:`Bound` by global
+    rank (P: every rank; D: at least the geometry's ``d_rank``)."""
 
-    A unit split in ``n`` parts on one side (say ``[head_dim][tokens]``) and whole on the
-    other is copied in parts of the finer split; runs that continue on both sides join
-    when the tile's runs are coalesced.
+    spec: ModelSpec
+    parallel: Parallel
+    bounds: Sequence[Bound] | Mapping[int, Bound]
+
+
+class Geometry:
+    """Everything about one (P instance, D rank ``d_rank``) pair that does not depend on a
+    request. Build it once at handshake; call :meth:`plan` per request.
+
+    ``pad_blocks``: D's engine never reads a slot of a request's blocks that lies outside
+    the tokens it needs before writing it: past the prefilled tokens in its last block
+    (true of any engine that computes the next token there, e.g. vLLM), and before a
+    sliding window's or chunk's first needed token in that token's block (attention never
+    looks there). Then a token group's needed range may run from the later of the two
+    sides' block starts around its first token (never below D's cached prefix) to the
+    end of the last block both sides hold, ``min(⌈n/bs_P⌉·bs_P, ⌈n/bs_D⌉·bs_D)``: the
+    padding slots get what P's blocks hold there, and a partial block costs one run where
+    it costs a run per head (or per element, with transposed K) otherwise. A bucket keeps
+    the exact range where padding would add runs. No block outside the ones the exact
+    range touches is read or written.
     """
-    _, ps, pstr = sv.piece(seg)
-    _, pd, dstr = dv.piece(seg)
-    part = math.gcd(ps, pd)
-    k = np.arange(0, sv.unit_bytes[seg], part, dtype=np.int64)
-    return (k // ps) * pstr + k % ps, (k // pd) * dstr + k % pd, part
+
+    def __init__(self, p: Side, d: Side, d_rank: int, pad_blocks: bool = False) -> None:
+        spec_p, spec_d, p_par, d_par = p.spec, d.spec, p.parallel, d.parallel
+        if spec_p.compat_hash() != spec_d.compat_hash():
+            raise IncompatibleError(
+                f"P spec {spec_p.name!r} ({spec_p.compat_hash()}) and D spec "
+                f"{spec_d.name!r} ({spec_d.compat_hash()}) store different bytes"
+            )
+        if len(p.bounds) != p_par.world:
+            raise IncompatibleError(f"{len(p.bounds)} P layouts for P world {p_par.world}")
+        p_bound, d_bound = [p.bounds[r] for r in range(p_par.world)], d.bounds[d_rank]
+        self.spec = spec_d
+        self.d_rank = d_rank
+        parts: dict[tuple[int, RuleKey, int], list[dict[str, np.ndarray]]] = {}
+        for pc in sources(spec_p, p_par, d_par, d_rank):
+            layer = spec_d.layers[pc.layer]
+            g = spec_d.group_of(pc.layer)
+            tile, bp, bd = tile_of(spec_p, spec_d, g)
+            key = (g, rule_key(layer), pc.src_rank)
+            parts.setdefault(key, []).append(
+                fine_runs(pc, layer, p_bound[pc.src_rank], d_bound, tile, bp, bd)
+            )
+        buckets: dict[int, list[Bucket]] = {}
+        for key, fines in parts.items():
+            g = key[0]
+            tile = tile_of(spec_p, spec_d, g)[0]
+            single = state_or_equal(spec_p, spec_d, g)
+            bucket = Bucket(g, key[2], key[1], tile, single, concat_fine(fines))
+            buckets.setdefault(g, []).append(bucket)
+        groups = []
+        for g in range(len(spec_d.groups)):
+            (tile, bp, bd), state = tile_of(spec_p, spec_d, g), spec_d.is_state_group(g)
+            pb = min(b.layout.num_blocks[g] for b in p_bound)
+            nb, pool = d_bound.layout.num_blocks[g], d_bound.layout.pools[g]
+            t, b1, d1 = (1, 1, 1) if state else (tile, bp, bd)  # a state group's tile: one slot
+            pad = (bp, bd) if pad_blocks and not state else None
+            bkts = tuple(buckets.get(g, ()))
+            groups.append(GroupGeom(t, b1, d1, t // b1, t // d1, pb, nb, pool, state, bkts, pad))
+        self.groups = tuple(groups)
+        self.links = self._links()
+
+    def _links(self) -> dict[int, RankLinks]:
+        """Links per source rank, and how each is told per request (:mod:`.joins`)."""
+        tiles = [gg.tile for gg in self.groups]
+        limits = [gg.limits for gg in self.groups]
+        by_rank: dict[int, list[Bucket]] = {}
+        for gg in self.groups:
+            for b in gg.buckets:
+                by_rank.setdefault(b.src_rank, []).append(b)
+        links = {r: rank_links(bs, tiles, limits) for r, bs in by_rank.items()}
+        big = {gg.pool for gg in self.groups if gg.d_blocks > PAIR_LIMIT or gg.p_blocks >= M // 2}
+        values: dict[int, list[float]] = {}  # per paired pool; first 2³² + 1 (streaks)
+        for ln in (ln for rl in links.values() for ln in rl.links):
+            if _told_by_gap(ln, self.groups, big):
+                vs = values.setdefault(self.groups[ln.g].pool, [FM + 1])
+                vs += [] if FM + ln.dp * ln.dd in vs else [FM + ln.dp * ln.dd]
+        self.values = {gg.pool: tuple(values.get(gg.pool, ())) for gg in self.groups}
+        single = [gg.p_per_tile == gg.d_per_tile == 1 for gg in self.groups]
+        self.groups = tuple(
+            replace(gg, mode=(1 if single[g] else 2) if gg.pool in values else 0)
+            for g, gg in enumerate(self.groups)
+        )
+        self.per_tile = [(gg.p_per_tile, gg.d_per_tile) for gg in self.groups]
+        self.modes = [gg.mode for gg in self.groups]
+        self.limits = [gg.d_blocks for gg in self.groups]
+        self.checks: dict[int, Checks | None] = {}
+        for r, rl in links.items():
+            fast, slow = [], []  # told by a gap count, else by comparing keys
+            for ln in rl.links:
+                if _told_by_gap(ln, self.groups, big):
+                    pool = self.groups[ln.g].pool
+                    fast.append(Fast(ln.g, pool, values[pool].index(FM + ln.dp * ln.dd), ln.streak))
+                else:
+                    slow.append(ln)
+            f = fast[0] if len(fast) == 1 and not slow else None
+            one = f.group if f is not None and f.value == 0 and f.streak else -1
+            chk = Checks(tuple(fast), tuple(slow), one) if fast or slow else None
+            self.checks[r] = ALWAYS if rl.always else chk
+        return links
+
+    def plan(
+        self,
+        n_tokens: int,
+        p_tables: Sequence[Sequence[int] | np.ndarray],
+        d_tables: Sequence[Sequence[int] | np.ndarray],
+        cached: int = 0,
+    ) -> Plan:
+        """Runs for one request of ``n_tokens`` prefilled tokens, ``cached`` already on D.
+
+        ``p_tables[g]`` / ``d_tables[g]``: block ids of group ``g`` covering tokens
+        ``[0, n_tokens)`` (state groups: one slot id). Raises :class:`PlanError`.
+        Every source rank gets the fewest runs that move its bytes.
+        """
+        if n_tokens < 1 or not 0 <= cached <= n_tokens:
+            raise PlanError(f"n_tokens={n_tokens}, cached={cached}: need 0 ≤ cached ≤ n, n ≥ 1")
+        if len(p_tables) != len(self.groups) or len(d_tables) != len(self.groups):
+            n_p, n_d, n_g = len(p_tables), len(d_tables), len(self.groups)
+            raise PlanError(f"{n_p} P and {n_d} D block tables for {n_g} groups")
+        if len(self.groups) == 1:
+            return self._plan_one(n_tokens, p_tables[0], d_tables[0], cached)
+        uses: list[Use] = []
+        jobs: dict[int, list[Job]] = {}
+        tabs: dict[int, Tab] = {}
+        written: dict[int, list[int]] = {}
+        for g, gg in enumerate(self.groups):
+            ptab = table(p_tables[g], gg.p_blocks, n_tokens, gg.bp, gg.p_per_tile, gg.state, "P", g)
+            dtab = table(d_tables[g], 0, n_tokens, gg.bd, gg.d_per_tile, gg.state, "D", g)
+            first = _jobs(gg, g, n_tokens, cached, jobs, uses)
+            if first < n_tokens:
+                tabs[g] = _tab(gg, ptab, dtab, first, n_tokens)
+                written.setdefault(gg.pool, []).append(g)
+        keys = {}
+        for pool, gs in written.items():
+            limit = min(self.limits[g] for g in gs)
+            keys[pool] = check_written(pool, gs, tabs, self.modes, limit, self.values[pool])
+        runs = {src: self._rank(src, js, tabs, keys) for src, js in jobs.items()}
+        return Plan(runs, uses)
+
+    def _plan_one(self, n: int, p_ids: Ids, d_ids: Ids, cached: int) -> Plan:
+        """:meth:`plan` for one group (a dense model): the same steps, less bookkeeping."""
+        gg = self.groups[0]
+        ptab = table(p_ids, gg.p_blocks, n, gg.bp, gg.p_per_tile, gg.state, "P", 0)
+        dtab = table(d_ids, 0, n, gg.bd, gg.d_per_tile, gg.state, "D", 0)
+        jobs: dict[int, list[Job]] = {}
+        uses: list[Use] = []
+        first = _jobs(gg, 0, n, cached, jobs, uses)
+        if first >= n:
+            return Plan({}, uses)
+        tab = _tab(gg, ptab, dtab, first, n)
+        tabs = {0: tab}
+        w = check_written(gg.pool, [0], tabs, self.modes, gg.d_blocks, self.values[gg.pool])
+        keys = {gg.pool: w}
+        if len(jobs) == 1:
+            ((src, js),) = jobs.items()
+            chk = self.checks[src]
+            if len(js) == 1 and (chk is None or (chk.one >= 0 and not (w and w[2][0]))):
+                _, _, pat, k_lo, k_hi = js[0]  # as it comes: nothing can or does continue
+                return Plan({src: Runs(*_apply(pat, tab, k_lo, k_hi, gg))}, uses)
+            return Plan({src: self._rank(src, js, tabs, keys)}, uses)
+        return Plan({src: self._rank(src, js, tabs, keys) for src, js in jobs.items()}, uses)
+
+    def _rank(
+        self, src: int, jobs: list[Job], tabs: dict[int, Tab], keys: dict[int, Keys | None]
+    ) -> Runs:
+        """One source rank's runs: as they come where nothing can continue or nothing
+        this request's ids realize (the usual case), else :meth:`_joined`."""
+        chk = self.checks[src]
+        if chk is not None:
+            one = chk.one  # its only link, a streak told by a count, or -1
+            if one < 0 or (one in tabs and (w := keys[chk.fast[0].pool]) is not None and w[2][0]):
+                return self._joined(chk, jobs, tabs, keys)
+        if len(jobs) == 1:
+            g, _, pat, k_lo, k_hi = jobs[0]
+            return Runs(*_apply(pat, tabs[g], k_lo, k_hi, self.groups[g]))
+        return Runs(*_applied(jobs, tabs, self.groups))
+
+    def _joined(
+        self, chk: Checks, jobs: list[Job], tabs: dict[int, Tab], keys: dict[int, Keys | None]
+    ) -> Runs:
+        """One source rank's runs, merged where the request's ids realize a link."""
+        if chk is ALWAYS:
+            return merge_all(*_applied(jobs, tabs, self.groups))
+        if chk.one >= 0:  # its only link, a streak, is realized
+            streak, other = {chk.one}, False
+        else:
+            streak, other = realize(chk.fast, chk.slow, keys, tabs, self.per_tile)
+        if not streak:
+            out = _applied(jobs, tabs, self.groups)
+            return merge_all(*out) if other else Runs(*out)
+        parts = []
+        for g, _, pat, k_lo, k_hi in jobs:
+            w = keys[self.groups[g].pool]
+            found = _chains(w, g, tabs[g], k_lo, k_hi) if g in streak and pat.streakable else None
+            if found is None:
+                parts.append(_apply(pat, tabs[g], k_lo, k_hi, self.groups[g]))
+            else:
+                parts.append(streak_runs(pat, *found))
+        out = parts[0] if len(parts) == 1 else _concat(parts)
+        if other or not _sole(jobs, streak):
+            return merge_all(*out)
+        return Runs(*out)
 
 
-def concat_fine(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Concatenate fine runs and coalesce within each token (keeps the token column)."""
-    fine = {k: np.concatenate([p[k] for p in parts]) for k in FIELDS}
-    order = np.lexsort((fine["soff"], fine["sstr"], fine["dstr"], fine["d_bit"], fine["p_bit"]))
-    fine = {k: v[order] for k, v in fine.items()}
-    return _merge_sorted(fine, same=("token", "p_bit", "d_bit", "sstr", "dstr", "kind"))
+def _tab(gg: GroupGeom, ptab: np.ndarray, dtab: np.ndarray, first: int, n: int) -> Tab:
+    if gg.state:
+        return (ptab, dtab, 0, 0, 1)
+    return (ptab, dtab, first // gg.tile, first // gg.bd, -(-n // gg.bd))
 
 
-def _merge_sorted(f: dict[str, np.ndarray], same: tuple[str, ...]) -> dict[str, np.ndarray]:
-    n = f["soff"].shape[0]
-    if n <= 1:
-        return f
-    ln = f["length"]
-    cont = (f["soff"][:-1] + ln[:-1] == f["soff"][1:]) & (f["doff"][:-1] + ln[:-1] == f["doff"][1:])
-    for k in same:
-        cont &= f[k][:-1] == f[k][1:]
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    out = {k: v[starts] for k, v in f.items()}
-    out["length"] = np.add.reduceat(ln, starts)
-    return out
+def _told_by_gap(ln: Link, groups: Sequence[GroupGeom], big: set[int]) -> bool:
+    """A link that a key gap of its pool tells (:func:`.joins.check_written`): both groups
+    one block per side and tile, in one pool, ``dd = ±1``. Between two groups the gap may
+    be two tiles of one: then the rank is merged for nothing, never wrongly."""
+    g, h = groups[ln.g], groups[ln.h]
+    single = g.p_per_tile == g.d_per_tile == h.p_per_tile == h.d_per_tile == 1 and g.pool == h.pool
+    return single and ln.dd in (1, -1) and g.pool not in big
 
 
-def _coalesce(fine: dict[str, np.ndarray], s: int, e: int, single: bool) -> Pattern:
-    sel = (fine["token"] >= s) & (fine["token"] < e)
-    f = {k: v[sel] for k, v in fine.items()}
-    kind_bytes = {
-        KIND_CODES[c]: int(f["length"][f["kind"] == c].sum()) for c in np.unique(f["kind"])
-    }
-    order = np.lexsort((f["soff"], f["sstr"], f["dstr"], f["d_bit"], f["p_bit"]))
-    f = {k: v[order] for k, v in f.items()}
-    m = _merge_sorted(f, same=("p_bit", "d_bit", "sstr", "dstr"))
-    ln = m["length"]
-    streak = bool((m["p_bit"] == 0).all() and (m["d_bit"] == 0).all() and single)
-    streak = streak and bool(((ln == m["sstr"]) & (ln == m["dstr"])).all())
-    return Pattern(
-        m["p_bit"],
-        m["soff"],
-        m["sstr"],
-        m["d_bit"],
-        m["doff"],
-        m["dstr"],
-        m["length"],
-        int(m["length"].sum()),
-        kind_bytes,
-        streak,
-    )
+def _applied(jobs: list[Job], tabs: dict[int, Tab], groups: Sequence[GroupGeom]) -> Triple:
+    if len(jobs) == 1:
+        g, _, pat, k_lo, k_hi = jobs[0]
+        return _apply(pat, tabs[g], k_lo, k_hi, groups[g])
+    return _concat([_apply(p, tabs[g], lo, hi, groups[g]) for g, _, p, lo, hi in jobs])
+
+
+def _chains(
+    w: Keys | None, g: int, tab: Tab, k_lo: int, k_hi: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Chains of a job's tiles (one block per side): from its pool's sorted keys where
+    they are the job's, else sorted here."""
+    if w is not None and w[1] == [g] and tab[3] == k_lo and tab[4] == k_hi:
+        return chains(w[0], w[3])
+    return own_chains(tab[0][k_lo:k_hi], tab[1][k_lo:k_hi])
+
+
+def _concat(parts: list[Triple]) -> Triple:
+    src, dst, length = zip(*parts, strict=True)
+    return np.concatenate(src), np.concatenate(dst), np.concatenate(length)
+
+
+def _sole(jobs: list[Job], streak: set[int]) -> bool:
+    """Streak joins alone merge everything realized: every job of a streak group is
+    streakable, the only one of its bucket."""
+    mine = [(b, pat) for g, b, pat, _, _ in jobs if g in streak]
+    return all(pat.streakable for _, pat in mine) and len({id(b) for b, _ in mine}) == len(mine)
+
+
+def _jobs(
+    gg: GroupGeom, g: int, n: int, cached: int, jobs: dict[int, list[Job]], uses: list[Use]
+) -> int:
+    """Add group ``g``'s jobs (per source rank) and uses; return its first needed token
+    (``n`` if none)."""
+    first = n
+    for b in gg.buckets:
+        spans = tile_spans_of(b.rule, n, cached, gg.tile)
+        if not spans:
+            continue
+        if gg.pad is not None:
+            padded = tile_spans_of(b.rule, n, cached, gg.tile, gg.pad)
+            spans = padded if _count(b, padded) <= _count(b, spans) else spans
+        first = spans[0][4] if spans[0][4] < first else first
+        out = jobs.setdefault(b.src_rank, [])
+        for k_lo, k_hi, s, t, _ in spans:
+            pat = b.pattern(s, t)
+            out.append((g, b, pat, k_lo, k_hi))
+            uses.append((b.src_rank, pat, k_hi - k_lo))
+    return first
+
+
+def _count(b: Bucket, spans: tuple[tuple[int, ...], ...]) -> int:
+    """Runs ``spans`` take before any merge (pattern runs × tiles)."""
+    return sum(b.pattern(s, t).length.shape[0] * (hi - lo) for lo, hi, s, t, _ in spans)
+
+
+def _apply(pat: Pattern, tab: Tab, k_lo: int, k_hi: int, gg: GroupGeom) -> Triple:
+    """Addresses of ``pat`` over tiles ``[k_lo, k_hi)``, ordered (run, tile)."""
+    pt, dt = gg.p_per_tile, gg.d_per_tile  # blocks per tile
+    if pt == 1 and dt == 1:
+        pid, did = tab[0][k_lo:k_hi], tab[1][k_lo:k_hi]
+        if pat.sstride and pat.dstride:  # one stride per side: ``off + id · stride``
+            src = pat.soff_c + pid * pat.sstride
+            return src.ravel(), (pat.doff_c + did * pat.dstride).ravel(), pat.lengths(k_hi - k_lo)
+    else:
+        pid = tab[0][k_lo * pt : k_hi * pt].reshape(-1, pt)[:, pat.p_bit].T
+        did = tab[1][k_lo * dt : k_hi * dt].reshape(-1, dt)[:, pat.d_bit].T
+    src = addresses(pat.soff_c, pid, pat.sstride, pat.sstr_c)
+    dst = addresses(pat.doff_c, did, pat.dstride, pat.dstr_c)
+    return src, dst, pat.lengths(k_hi - k_lo)

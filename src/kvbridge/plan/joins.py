@@ -18,12 +18,13 @@ it ends on D, and D bytes are written once, so it is the next run in that order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.errors import PlanError
-from kvbridge.plan.geometry import Pattern
 from kvbridge.plan.links import Link
+from kvbridge.plan.pattern import Pattern
 from kvbridge.plan.runs import Runs, merge_adjacent
 from kvbridge.plan.tables import SMALL
 
@@ -44,8 +45,17 @@ Keys = tuple[np.ndarray, list[int], tuple[bool, ...], bool]
 """A paired pool's sorted keys, the groups that wrote them, whether the gap between two
 neighbours equals each of the pool's link values (the first: ``2³² + 1``, streaks), and
 whether every gap does (one chain)."""
-Fast = tuple[int, int, int, bool]
-"""A link told by one gap count: group, pool, index of its value, streak."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fast:
+    """A link told by one gap count of its pool's keys: its group, pool, the index of its
+    gap among the pool's link values (0: ``2³² + 1``, a streak's), and whether a streak."""
+
+    group: int
+    pool: int
+    value: int
+    streak: bool
 
 
 def written_keys(tab: Tab, mode: int) -> np.ndarray:
@@ -128,10 +138,10 @@ def realize(
     other link (``tabs``: the groups it moves; ``per_tile``: blocks per tile)."""
     streak: set[int] = set()
     other = False
-    for g, pool, vi, is_streak in fast:
-        if g in tabs and keys[pool][2][vi]:  # type: ignore[index]
-            if is_streak:
-                streak.add(g)
+    for f in fast:
+        if f.group in tabs and keys[f.pool][2][f.value]:  # type: ignore[index]
+            if f.streak:
+                streak.add(f.group)
             else:
                 other = True
     for ln in slow:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.plan.geometry import Bucket
+from kvbridge.plan.pattern import Bucket
 
 MAX_PAIRS = 1 << 20
 """Template pairs listed at most; beyond, every request is merged (exact, slower)."""

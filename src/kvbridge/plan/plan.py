@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbridge.plan.geometry import Pattern
+from kvbridge.plan.pattern import Pattern
 from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import Kind
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvbridge.errors import PlanError
-from kvbridge.plan.geometry import RuleKey
+from kvbridge.plan.pattern import RuleKey
 from kvbridge.spec.model import Kind, Layer
 
 SMALL = 256
