@@ -58,6 +58,16 @@ def test_specs_that_disagree():
     geometry(d_spec=SPEC.with_block_sizes(32))
 
 
+def test_a_d_rank_without_a_layout_is_named():
+    lay = build_layout(SPEC, Parallel(2), 0, "hnd", 10)
+    p_side = Side(SPEC, Parallel(1), [Bound(build_layout(SPEC, Parallel(1), 0, "nhd", 10), (0, 0))])
+    for bounds, rank in (({0: Bound(lay, (0, 0))}, 1), ([Bound(lay, (0, 0))], 1), ([], 0)):
+        with pytest.raises(IncompatibleError, match=f"D rank {rank} of world 2: no layout"):
+            Geometry(p_side, Side(SPEC, Parallel(2), bounds), rank)
+    with pytest.raises(IncompatibleError, match="D rank 2 of world 2"):
+        Geometry(p_side, Side(SPEC, Parallel(2), [Bound(lay, (0, 0))] * 3), 2)
+
+
 def test_impossible_tp_names_the_values():
     spec = group_by_kind("t", [attention(0, 6, 16)])
     with pytest.raises(SpecError, match="6 units cannot be split over TP 4"):

@@ -124,7 +124,13 @@ class Geometry:
             )
         if len(p.bounds) != p_par.world:
             raise IncompatibleError(f"{len(p.bounds)} P layouts for P world {p_par.world}")
-        p_bound, d_bound = [p.bounds[r] for r in range(p_par.world)], d.bounds[d_rank]
+        try:
+            d_bound = d.bounds[d_rank] if 0 <= d_rank < d_par.world else None
+        except (KeyError, IndexError):
+            d_bound = None
+        if d_bound is None:
+            raise IncompatibleError(f"D rank {d_rank} of world {d_par.world}: no layout for it")
+        p_bound = [p.bounds[r] for r in range(p_par.world)]
         self.spec = spec_d
         self.d_rank = d_rank
         parts: dict[tuple[int, RuleKey, int], list[dict[str, np.ndarray]]] = {}
