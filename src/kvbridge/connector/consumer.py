@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvbridge.connector.directions import Directions, measure
+from kvbridge.connector.directions import Directions
 from kvbridge.connector.fence import Check, Fence, Held
 from kvbridge.connector.handle import Tokens, TransferHandle, checked_tables
 from kvbridge.connector.kernel_mover import kernel_mover
@@ -36,10 +35,9 @@ from kvbridge.connector.load import (
     _Load,
     failed_blocks,
 )
+from kvbridge.connector.movers import movers, plan_geometry, transfer
 from kvbridge.connector.peers import Peer, PeerCache
-from kvbridge.connector.pull import pull
-from kvbridge.connector.push import ProbeArea, PushBind, push_fence_checks, push_runs
-from kvbridge.connector.push_staging import StagedPusher, choose_push
+from kvbridge.connector.push import ProbeArea, push_fence_checks
 from kvbridge.connector.staging import Stager
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
@@ -47,7 +45,6 @@ from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.pattern import Bound
 from kvbridge.plan.plan import Plan
-from kvbridge.plan.runs import Runs
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport
@@ -100,17 +97,18 @@ class Consumer:
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
         ``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``).
         ``kernel``: copy with one kernel from P ranks of this node that share their memory
-        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says."""
+        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says. The movers are
+        tried in their registry's order (``self.movers``, :mod:`kvbridge.connector.movers`)."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
         regions = regions_at(bases, layout.regions, memory, device)
-        self.kernel = kernel_mover(regions) if kernel else None
+        self.kernel, self.movers = kernel_mover(regions) if kernel else None, movers()
         self.metadata = self._register(regions, staging_bytes, workers)
         self._notifs: set[bytes] = set()
         self.directions: dict[tuple[str, str], Directions] = {}
         """READ and WRITE as measured per P (engine id, epoch), in AUTO mode."""
-        self._measuring = threading.Lock()
+        self.measuring = threading.Lock()
         self.peers = PeerCache(
             engine_id, spec, par, rank, Bound(layout, tuple(bases)), transport, secret,
             timeout_s=transfer_timeout_s, model_id=model_id, pad_blocks=pad_blocks, keys=keys,
@@ -184,7 +182,7 @@ class Consumer:
             job.lap("handshake")
             plan, begun, left = self._begin(peer, job)
             job.move(LoadState.TRANSFER)
-            mover, why = self._transfer(peer, plan, job)
+            mover, why = transfer(self, peer, plan, job)
             job.lap("transfer")
             late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
             job.move(LoadState.DONE)
@@ -228,17 +226,13 @@ class Consumer:
 
     def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, float]:
         """``begin`` sent, the plan made while P answers (P's other calls wait for it; in
-        the kernel mover's offsets where it serves), P's "held" checked → (plan, monotonic
-        time begin was sent, lease seconds left)."""
+        a mover's own geometry where one asks for it, :func:`plan_geometry`), P's "held"
+        checked → (plan, monotonic time begin was sent, lease seconds left)."""
         begun = time.monotonic()
         reply = peer.client.send(self.leases.op(job, "begin"), since=job.queued)
         try:
             h = job.handle
-            over, job.no_kernel = (
-                self.kernel.geometry(peer) if self.kernel else (None, "D maps nothing")
-            )
-            job.mapped = over.bases if over else None
-            geometry = over.geometry if over else peer.geometry
+            geometry = plan_geometry(self, peer, job)
             plan = geometry.plan(h.n_tokens, h.block_tables, job.tables, job.cached)
         finally:
             job.lap("plan")
@@ -277,62 +271,7 @@ class Consumer:
             on_end += closers
         return Held(out, job.live, checks, on_end)
 
-    def _transfer(self, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
-        """Move ``plan``'s runs with the mover this request gets: ``(mover, why)``."""
-        sources, why = plan.runs.keys(), job.no_kernel
-        if self.kernel is not None and job.mapped is not None:
-            job.posted += self.kernel.move(peer, plan.runs, job.mapped)
-            return "kernel", "P's memory is mapped here (same node)"
-        mode, how = self._direction(peer, min(sources, default=0))
-        if mode is Mode.PUSH:
-            self._push(peer, job, plan.runs)
-            return "push", f"{how}; no kernel mover: {why}"
-        args = (self.stager, self.staging, peer, plan, job, self.timeout_s, self.post_runs)
-        pull(self.transport, *args)
-        return "pull", f"{how}; no kernel mover: {why}"
-
-    def _direction(self, peer: Peer, src: int) -> tuple[Mode, str]:
-        """Pull or push, and why: the configured mode, or (AUTO) what D measured with
-        this P epoch (once; :mod:`kvbridge.connector.directions`)."""
-        if self.mode is not Mode.AUTO:
-            return self.mode, f"{self.mode.value} mode"
-        with self._measuring:
-            key = (peer.engine_id, peer.epoch)
-            if key not in self.directions:
-                args = (self.stager, peer, src, self.metadata, self._await, self.engine_id)
-                found = measure(self.transport, *args)
-                self.directions[key] = found
-            return self.directions[key].choice()
-
-    def _push(self, peer: Peer, job: _Load, runs: dict[int, Runs]) -> None:
-        """Direct runs first, then the staged ones in rounds through a slot that, should
-        the load fail, returns to the pool only after the fence (``job.slot``)."""
-        deadline = time.monotonic() + self.timeout_s
-        t0 = time.perf_counter()
-        rid = job.handle.request_id
-        stager = self.stager if self.staging else None
-        staged = choose_push(stager, runs) if stager is not None else None
-        if staged is not None:
-            job.slot = staged.slot
-            runs = {src: r for src, r in runs.items() if src not in staged.ranks}
-        job.nonce = secrets.token_hex(16)  # retired at P with each rank's last message
-        bind = PushBind(job.token, self.leases.epoch, job.nonce, self.engine_id)
-        want, job.posted = push_runs(peer, rid, runs, self.rank, self.metadata, job.pushed, bind)
-        self._await(want, deadline)
-        if stager is None or staged is None:
-            if stager is not None:
-                nbytes = sum(r.nbytes for r in runs.values())
-                stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
-            return
-        pusher = StagedPusher(
-            stager, peer, rid, self.rank, self.metadata, lambda w: self._await(w, deadline), bind
-        )
-        posted, job.staged_runs = pusher.run(staged, job.pushed)
-        job.posted += posted
-        stager.pool.give_back(staged.slot, True)
-        job.slot = None
-
-    def _await(self, want: set[bytes], deadline: float) -> None:
+    def await_notifs(self, want: set[bytes], deadline: float) -> None:
         """Until every notification in ``want`` arrived; TransferTimeout at ``deadline``."""
         while True:
             with self._lock:

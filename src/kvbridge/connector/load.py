@@ -106,6 +106,9 @@ class _Load:
     mapped: dict[int, tuple[int, ...]] | None = None
     """Where the kernel mover serves it: the offsets of P's regions in the memory it
     mapped, per P rank, that the plan was made over."""
+    planned_in: str = ""
+    """The mover whose own geometry the load was planned in, the only one that may move
+    it ("": the pair's geometry, any mover)."""
 
     def move(self, to: LoadState) -> None:
         assert to in TRANSITIONS[self.state], (self.state, to)
