@@ -55,6 +55,7 @@ _API = frozenset(
         "Transport",
         "TransportError",
         "View",
+        "XferHandle",
         "XferState",
         "attention",
         "build_layout",

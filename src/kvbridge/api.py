@@ -12,7 +12,7 @@ Say where it lives        SideConfig (one instance's shape), build_layout, layou
                           where memory lives: MemKind (host or a GPU's)
 Plan (no I/O)             Geometry, Side, Bound, Plan
 Move bytes                make_transport, register_transport, transport_names,
-                          Transport, Region, XferState
+                          Transport, Region, XferHandle, XferState
 Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
                           Mode, Policy, LoadState, Keys, RankInfo
 Errors                    KVBridgeError and its subclasses
@@ -81,6 +81,7 @@ from kvbridge.spec import (
 from kvbridge.transport import (
     Region,
     Transport,
+    XferHandle,
     XferState,
     make_transport,
     register_transport,
@@ -133,6 +134,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "View",
+    "XferHandle",
     "XferState",
     "attention",
     "build_layout",

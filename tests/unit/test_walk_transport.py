@@ -27,6 +27,7 @@ from kvbridge.api import (
     Region,
     Transport,
     TransportError,
+    XferHandle,
     XferState,
     attention,
     group_by_kind,
@@ -35,7 +36,6 @@ from kvbridge.api import (
     register_transport,
     transport_names,
 )
-from kvbridge.transport.base import XferHandle  # not in kvbridge.api (yet)
 from tests.support.reference import expected_dest, fill_source
 from tests.support.scenario import Side, random_tables
 

@@ -24,7 +24,7 @@ from kvbridge.connector.pull import pull
 from kvbridge.connector.push import PushBind, push_runs
 from kvbridge.connector.push_staging import StagedPusher, choose_push
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.build import Geometry
+from kvbridge.plan.geometry import Geometry
 from kvbridge.plan.plan import Plan
 from kvbridge.registry import Registry
 
