@@ -317,12 +317,12 @@ def test_every_architecture_is_listed_in_the_error() -> None:
 
 WHOLE_MESSAGES = {
     "bad layer type": (
-        cfg_with("gpt-oss-20b", layer_types=["full_attention"] * 23 + ["global"]),
+        BAD_CONFIGS["bad layer type"][0],
         "layer_types[23]: unknown layer type 'global'; known: full_attention, attention, "
         "sliding_attention, chunked_attention, linear_attention, mamba",
     ),
     "bad override": (
-        cfg_with("nemotron-3-nano-30b", hybrid_override_pattern="M" * 51 + "X"),
+        BAD_CONFIGS["bad override"][0],
         "hybrid_override_pattern[51]: unknown block 'X'; known: M * - E",
     ),
     "layer_types not a list": (
