@@ -77,8 +77,8 @@ _API = frozenset(
         "transport_names",
     }
 )
-"""The names of :mod:`kvbridge.api` (a test keeps the two equal); listed here so that a
-submodule import such as ``from kvbridge import catalog`` never loads the API."""
+"""The names of :mod:`kvbridge.api` (its ``__all__``); listed here so that a submodule
+import such as ``from kvbridge import catalog`` never loads the API."""
 
 
 def __getattr__(name: str) -> Any:

@@ -313,3 +313,36 @@ def test_every_architecture_is_listed_in_the_error() -> None:
     with pytest.raises(ConfigError) as e:
         from_hf_config({"model_type": "rwkv", "num_hidden_layers": 2})
     assert all(arch in str(e.value) for arch in ARCHS)
+
+
+WHOLE_MESSAGES = {
+    "bad layer type": (
+        BAD_CONFIGS["bad layer type"][0],
+        "layer_types[23]: unknown layer type 'global'; known: full_attention, attention, "
+        "sliding_attention, chunked_attention, linear_attention, mamba",
+    ),
+    "bad override": (
+        BAD_CONFIGS["bad override"][0],
+        "hybrid_override_pattern[51]: unknown block 'X'; known: M * - E",
+    ),
+    "layer_types not a list": (
+        cfg_with("gpt-oss-20b", layer_types="full_attention"),
+        "layer_types: expected a list, got 'full_attention'",
+    ),
+    "override not a string": (
+        cfg_with("nemotron-3-nano-30b", hybrid_override_pattern=["M"]),
+        "hybrid_override_pattern: expected a string, got ['M']",
+    ),
+    "linear_attn_config not an object": (
+        cfg_with("kimi-linear-48b-a3b", linear_attn_config=[1]),
+        "linear_attn_config: expected an object, got [1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WHOLE_MESSAGES)
+def test_a_bad_field_of_a_config_gets_its_whole_message(case: str) -> None:
+    cfg, message = WHOLE_MESSAGES[case]
+    with pytest.raises(ConfigError) as e:
+        from_hf_config(cfg)
+    assert str(e.value) == message

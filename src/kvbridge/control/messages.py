@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Literal
+from dataclasses import MISSING, fields
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_type_hints
 
 import msgspec
 
@@ -25,31 +26,33 @@ MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
 
-class WireView(msgspec.Struct, array_like=True, frozen=True):
-    layer: int
-    stream: str
-    region: int
-    offset: int
-    block_stride: int
-    rows: int
-    blocks: int
-    seg_units: list[tuple[int, int]]
-    seg_offsets: list[int]
-    row_strides: list[int]
-    unit_strides: list[int]
-    unit_bytes: list[int]
-    pieces: list[int] = msgspec.field(default_factory=list)
-    piece_strides: list[int] = msgspec.field(default_factory=list)
+def _wire_form(record: type, name: str) -> type[msgspec.Struct]:
+    """An array-like struct of the dataclass ``record``'s fields, types and (plain)
+    defaults, in order: a record on the wire is a msgpack array of its fields."""
+    hints = get_type_hints(record)
+    return msgspec.defstruct(
+        name,
+        [
+            (f.name, hints[f.name], *(() if f.default is MISSING else (f.default,)))
+            for f in fields(record)
+        ],
+        array_like=True,
+        frozen=True,
+        module=__name__,
+    )
 
 
-class WireShare(msgspec.Struct, array_like=True, frozen=True):
-    """One region as another process of P's node maps it (:class:`kvbridge.transport.ipc.Share`)."""
+def _to_wire(wire: type[msgspec.Struct], record: Any) -> Any:
+    return wire(*(getattr(record, name) for name in wire.__struct_fields__))
 
-    way: str
-    handle: bytes
-    offset: int
-    nbytes: int
-    ident: int = 0
+
+if TYPE_CHECKING:  # a struct made at run time is no type to mypy
+    WireView: TypeAlias = msgspec.Struct
+    WireShare: TypeAlias = msgspec.Struct
+else:
+    WireView = _wire_form(View, "WireView")
+    WireShare = _wire_form(Share, "WireShare")
+    """One region as another process of P's node maps it (:class:`Share`)."""
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -259,29 +262,10 @@ def wire_layout(
 ) -> RankInfo:
     """What a rank tells peers of ``layout``, held in ``regions`` (one memory kind), and
     how a process of its node maps them (``shares``, one per region, or none)."""
-    views = [
-        WireView(
-            v.layer,
-            v.stream,
-            v.region,
-            v.offset,
-            v.block_stride,
-            v.rows,
-            v.blocks,
-            list(v.seg_units),
-            list(v.seg_offsets),
-            list(v.row_strides),
-            list(v.unit_strides),
-            list(v.unit_bytes),
-            list(v.pieces),
-            list(v.piece_strides),
-        )
-        for v in layout.views
-    ]
     return RankInfo(
         rank,
         list(layout.regions),
-        views,
+        [_to_wire(WireView, v) for v in layout.views],
         list(layout.block_sizes),
         list(layout.num_blocks),
         list(layout.pools),
@@ -291,16 +275,17 @@ def wire_layout(
         regions[0].kind.value if regions else MemKind.HOST.value,
         regions[0].device if regions else 0,
         node_id() if shares else "",
-        [WireShare(s.way, s.handle, s.offset, s.nbytes, s.ident) for s in shares or []],
+        [_to_wire(WireShare, s) for s in shares or []],
     )
 
 
 def rank_shares(info: RankInfo) -> list[Share]:
     """The peer rank's shares, one per region and as large (empty if it shares none)."""
-    sizes = [w.nbytes for w in info.shares]
-    if info.shares and sizes != list(info.regions):
+    shares = [Share(*msgspec.structs.astuple(w)) for w in info.shares]
+    sizes = [s.nbytes for s in shares]
+    if shares and sizes != list(info.regions):
         raise PeerError(f"rank {info.rank}: shares of {sizes} B for regions of {info.regions} B")
-    return [Share(w.way, w.handle, w.offset, w.nbytes, w.ident) for w in info.shares]
+    return shares
 
 
 def rank_regions(info: RankInfo, layout: RankLayout) -> list[Region]:
@@ -317,32 +302,13 @@ def rank_layout(info: RankInfo) -> RankLayout:
 
 
 def _rank_layout(info: RankInfo) -> RankLayout:
-    views = tuple(
-        View(
-            w.layer,
-            w.stream,
-            w.region,
-            w.offset,
-            w.block_stride,
-            w.rows,
-            w.blocks,
-            tuple(tuple(p) for p in w.seg_units),  # type: ignore[misc]
-            tuple(w.seg_offsets),
-            tuple(w.row_strides),
-            tuple(w.unit_strides),
-            tuple(w.unit_bytes),
-            tuple(w.pieces),
-            tuple(w.piece_strides),
-        )
-        for w in info.views
-    )
     if len(info.bases) != len(info.regions):
         raise PeerError(
             f"rank {info.rank}: {len(info.bases)} bases for {len(info.regions)} regions"
         )
     return RankLayout(
         tuple(info.regions),
-        views,
+        tuple(View(*msgspec.structs.astuple(w)) for w in info.views),
         tuple(info.block_sizes),
         tuple(info.num_blocks),
         tuple(info.pools),

@@ -80,17 +80,5 @@ def interleave(pieces: list[Piece]) -> list[Piece]:
 
 
 def view_of(p: Piece, region: int, offset: int, block_stride: int, blocks: int) -> View:
-    return View(
-        p.layer,
-        p.stream,
-        region,
-        offset,
-        block_stride,
-        p.rows,
-        blocks,
-        p.seg_units,
-        p.seg_offsets,
-        p.row_strides,
-        p.unit_strides,
-        p.unit_bytes,
-    )
+    segments = (p.seg_units, p.seg_offsets, p.row_strides, p.unit_strides, p.unit_bytes)
+    return View(p.layer, p.stream, region, offset, block_stride, p.rows, blocks, *segments)

@@ -88,25 +88,13 @@ class Fields:
         return list(value)
 
     def items(self, key: str) -> list[Any]:
-        value = self.get(key)
-        if not isinstance(value, list):
-            got = "missing" if value is None else f"got {value!r}"
-            raise ConfigError(f"{self.path(key)}: expected a list, {got}")
-        return value
+        return self._typed(key, list, "a list")
 
     def text(self, key: str) -> str:
-        value = self.get(key)
-        if not isinstance(value, str):
-            got = "missing" if value is None else f"got {value!r}"
-            raise ConfigError(f"{self.path(key)}: expected a string, {got}")
-        return value
+        return self._typed(key, str, "a string")
 
     def section(self, key: str) -> Fields:
-        value = self.get(key)
-        if not isinstance(value, Mapping):
-            got = "missing" if value is None else f"got {value!r}"
-            raise ConfigError(f"{self.path(key)}: expected an object, {got}")
-        return Fields(value, self.path(key) + ".", outer=self)
+        return Fields(self._typed(key, Mapping, "an object"), self.path(key) + ".", outer=self)
 
     def dtype(self, *keys: str) -> DType | None:
         """The dtype named by the first present key, here or in the enclosing sections."""
@@ -124,4 +112,11 @@ class Fields:
             raise ConfigError(f"{self.path(key)}: expected an integer, got {value!r}")
         if value < minimum:
             raise ConfigError(f"{self.path(key)}: {value} < {minimum}")
+        return value
+
+    def _typed(self, key: str, kind: type, what: str) -> Any:
+        value = self.get(key)
+        if not isinstance(value, kind):
+            got = "missing" if value is None else f"got {value!r}"
+            raise ConfigError(f"{self.path(key)}: expected {what}, {got}")
         return value

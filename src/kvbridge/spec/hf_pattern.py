@@ -21,7 +21,7 @@ Parallel hybrids (Falcon-H1) run a state mixer in every layer, attention too in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
@@ -64,27 +64,24 @@ def layer_pattern(f: Fields, n: int, parallel_hybrid: bool = False) -> Pattern:
 
 
 def _layer_types(f: Fields, n: int) -> list[str]:
-    out = []
-    for i, t in enumerate(f.str_list("layer_types")):
-        if t not in _LAYER_TYPES:
-            raise ConfigError(
-                f"{f.path('layer_types')}[{i}]: unknown layer type {t!r}; "
-                f"known: {', '.join(_LAYER_TYPES)}"
-            )
-        out.append(_LAYER_TYPES[t])
-    return out
+    return _named(f, "layer_types", f.str_list("layer_types"), _LAYER_TYPES, "layer type", ", ")
 
 
 def _override(f: Fields, n: int) -> list[str]:
-    out = []
-    for i, ch in enumerate(f.text("hybrid_override_pattern")):
-        if ch not in _OVERRIDE_CHARS:
+    key = "hybrid_override_pattern"
+    return _named(f, key, f.text(key), _OVERRIDE_CHARS, "block", " ")
+
+
+def _named(
+    f: Fields, key: str, names: Sequence[str], table: dict[str, str], what: str, sep: str
+) -> list[str]:
+    """The entries ``table`` maps ``names`` to; an unknown one names its position."""
+    for i, name in enumerate(names):
+        if name not in table:
             raise ConfigError(
-                f"{f.path('hybrid_override_pattern')}[{i}]: unknown block {ch!r}; "
-                f"known: {' '.join(_OVERRIDE_CHARS)}"
+                f"{f.path(key)}[{i}]: unknown {what} {name!r}; known: {sep.join(table)}"
             )
-        out.append(_OVERRIDE_CHARS[ch])
-    return out
+    return [table[name] for name in names]
 
 
 def _index_lists(f: Fields, n: int) -> list[str]:

@@ -30,9 +30,6 @@ class Kind(enum.StrEnum):
     STATE = "state"
 
 
-TOKEN_KINDS = frozenset({Kind.FULL, Kind.SLIDING, Kind.CHUNKED, Kind.MLA})
-
-
 @dataclass(frozen=True, slots=True)
 class Segment:
     """``units`` shardable units (heads, groups) of ``unit_bytes`` contiguous bytes."""
