@@ -9,6 +9,7 @@ from kvbridge.errors import IncompatibleError, LayoutError, PlanError, SpecError
 from kvbridge.layout import build_layout
 from kvbridge.layout.view import RankLayout, View
 from kvbridge.plan import Bound, Geometry, Side
+from kvbridge.plan.tables import Tables, checked_tables
 from kvbridge.spec import DType, Parallel, attention, group_by_kind
 from kvbridge.transport.base import Region
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
@@ -111,3 +112,45 @@ def test_loopback_refuses_runs_outside_registered_memory_and_writes_nothing():
     assert not dst.any()
     b.read(peer, local, addr, np.array([16, 56], np.uint64))
     assert (dst[:16] == src[:16]).all() and (dst[100:156] == src[200:256]).all()
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ([0, 0.9], r"table 0 holds 0.9 \(float\), not a block id"),
+        ([1, True], r"table 0 holds True \(bool\), not a block id"),
+        (["3"], r"table 0 holds '3' \(str\), not a block id"),
+        ([0, 10], r"table 0 holds block 10, outside \[0, 10\)"),
+        ([3, -2], r"table 0 holds block -2, outside \[0, 10\)"),
+        (np.array([0, 10]), r"table 0 holds block 10, outside \[0, 10\)"),
+        (np.array([2**63], dtype=np.uint64), r"table 0 holds block 9223372036854775808, outside"),
+        (np.array([-1], dtype=np.int8), r"table 0 holds block -1, outside \[0, 10\)"),
+        (np.array([1.0]), r"table 0 is a float64 array of shape \(1,\)"),
+        ("012", r"table 0 is a str, not a list of block ids"),
+    ],
+)
+def test_tables_are_checked_once_at_the_edge(table, match):
+    with pytest.raises(PlanError, match="D's block tables: " + match):
+        checked_tables([table], [10], "D's block tables")
+
+
+def test_checked_tables_are_int64_arrays_the_planner_takes_as_they_are():
+    """Lists, numpy integers and integer arrays become one int64 array per group, equal to
+    the ids given; the plan over them is the plan over the lists. Tables checked against
+    more blocks than P holds are checked again by the planner."""
+    given = [[0, np.int32(1), 2], np.array([3, 4, 5], dtype=np.uint16)]
+    tabs = checked_tables(given, [10, 10], "P")
+    assert isinstance(tabs, Tables) and len(tabs) == 2
+    for got, want in zip(tabs.ids, ([0, 1, 2], [3, 4, 5]), strict=True):
+        assert got.dtype == np.int64 and got.ndim == 1 and got.tolist() == want
+    assert tabs.lists() == [[0, 1, 2], [3, 4, 5]]
+    assert checked_tables(tabs, [10, 10], "P") is tabs
+    g = geometry()
+    p, d = checked_tables([[0, 1, 2]], [10], "P"), checked_tables([[5, 6, 7]], [10], "D")
+    want, got = g.plan(40, [[0, 1, 2]], [[5, 6, 7]]), g.plan(40, p, d)
+    for src, runs in want.runs.items():
+        for a, b in zip(runs.as_uint64(), got.runs[src].as_uint64(), strict=True):
+            assert np.array_equal(a, b)
+    loose = checked_tables([[0, 1, 10]], [100], "P")
+    with pytest.raises(PlanError, match=r"P block ids span \[0, 10\]; valid are \[0, 10\)"):
+        g.plan(40, loose, [[0, 1, 2]])

@@ -44,6 +44,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvbridge.adapter import HANDLE_KEY, decode_handle
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseReply, PushRefused, PushRuns, tables_digest
+from kvbridge.integrations.vllm import scheduler as scheduler_module
 from kvbridge.integrations.vllm import worker as worker_module
 from kvbridge.integrations.vllm.cache import read_cache
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
@@ -237,13 +238,25 @@ def test_p_waits_for_kv_writes_only_in_steps_with_a_remote_prefill(
     assert step("local", "remote") == []  # ended: its handle left already
 
 
-def load(d: Engine, params: dict[str, Any], tables: tuple, n: int, cached: int) -> None:
+def load(
+    d: Engine, params: dict[str, Any], tables: tuple, n: int, cached: int, mp: pytest.MonkeyPatch
+) -> None:
     """D's scheduler matches ``n - cached`` external tokens of a prompt of ``n + 1`` (D
-    computes the last one) and allocates ``tables``; its workers load them."""
+    computes the last one; asked twice, as vLLM asks again when it cannot allocate yet)
+    and allocates ``tables``, decoding the handle once; its workers load them."""
+    decoded: list[object] = []
+
+    def counted(data: object) -> object:
+        decoded.append(data)
+        return decode_handle(data)
+
+    mp.setattr(scheduler_module, "decode_handle", counted)
     req = SimpleNamespace(request_id="d-req", kv_transfer_params=params, num_prompt_tokens=n + 1)
-    ext, later = d.sched.get_num_new_matched_tokens(req, cached)
-    assert (ext, later) == (n - cached, True)
+    for _ in range(2):
+        ext, later = d.sched.get_num_new_matched_tokens(req, cached)
+        assert (ext, later) == (n - cached, True)
     d.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: tables), ext)
+    assert len(decoded) == 1  # once per request in the scheduler's process
     meta = d.sched.build_connector_meta(SimpleNamespace())
     for w in d.workers:
         w.bind_connector_metadata(meta)
@@ -302,7 +315,7 @@ def run(engines: list[Engine], case: str, mp: pytest.MonkeyPatch, n: int = 45) -
         }
         write((mirror, d.specs), SLOTS[1], ids[1], d.tp, r, range(cached, n))
         wants.append(want)
-    load(d, params, ([SLOTS[1]], ids[1]) if hybrid else (ids[1],), n, cached)
+    load(d, params, ([SLOTS[1]], ids[1]) if hybrid else (ids[1],), n, cached, mp)
     for w in p.workers:
         info = decode_info(w.get_handshake_metadata().info)
         assert (info.memory, info.device) == ("device", 0)
@@ -375,7 +388,7 @@ def test_refusals_at_p_reach_the_metrics(
     finally:
         client.close()
     assert replies == [LeaseReply("foreign", reason="unknown token")] * 2
-    load(d, params, ([1, 4, 2],), 45, 0)
+    load(d, params, ([1, 4, 2],), 45, 0, monkeypatch)
     p1 = p.workers[1].worker
     assert p1 is not None and p1.producer is not None
     # vLLM's P ranks serve no push channel (no secret): the rank's handler takes it

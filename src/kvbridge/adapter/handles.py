@@ -31,13 +31,13 @@ def decode_handle(data: Any) -> TransferHandle:
     return TransferHandle.from_bytes(raw)
 
 
-def refusal(data: str | bytes, prompt: Sequence[int] | None) -> str:
-    """Why D must not load the handle ``data`` for ``prompt``, "" if it may: the handle
-    holds the KV of other prompt tokens (:meth:`TransferHandle.check_prompt`; nothing
-    is checked without a prompt, e.g. one given as embeddings). A malformed handle is
-    left to the load, which reports it."""
+def refusal(data: str | bytes | TransferHandle, prompt: Sequence[int] | None) -> str:
+    """Why D must not load the handle ``data`` (or the one decoded from it) for
+    ``prompt``, "" if it may: the handle holds the KV of other prompt tokens
+    (:meth:`TransferHandle.check_prompt`; nothing is checked without a prompt, e.g. one
+    given as embeddings). A malformed handle is left to the load, which reports it."""
     try:
-        handle = decode_handle(data)
+        handle = data if isinstance(data, TransferHandle) else decode_handle(data)
     except KVBridgeError:
         return ""
     try:

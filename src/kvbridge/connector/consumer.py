@@ -20,14 +20,18 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from kvbridge.connector.directions import Directions
 from kvbridge.connector.fence import Check, Fence, Held
-from kvbridge.connector.handle import Tokens, TransferHandle, checked_tables
+from kvbridge.connector.handle import Tokens, TransferHandle
 from kvbridge.connector.kernel_mover import kernel_mover
 from kvbridge.connector.lease_calls import LeaseCalls
 from kvbridge.connector.load import (
+    NO_TABLES,
     LoadState,
     Mode,
     Outcome,
@@ -45,6 +49,7 @@ from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.pattern import Bound
 from kvbridge.plan.plan import Plan
+from kvbridge.plan.tables import Tables, checked_tables
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport
@@ -138,21 +143,23 @@ class Consumer:
     def load(
         self,
         handle: TransferHandle,
-        tables: list[list[int]],
+        tables: Sequence[Sequence[int] | np.ndarray] | Tables,
         cached: int = 0,
         prompt: Tokens | None = None,
     ) -> None:
-        """Queue the transfer of ``handle``'s request into local ``tables``; ``prompt``: the
-        token ids D decodes from, checked first (:meth:`TransferHandle.check_prompt`)."""
+        """Queue the transfer of ``handle``'s request into local ``tables`` (per group, a
+        list of ints or a 1-D integer array; checked here once, into :class:`Tables`);
+        ``prompt``: the token ids D decodes from, checked first
+        (:meth:`TransferHandle.check_prompt`)."""
         handle.check_prompt(prompt, self.require_prompt)
         try:
-            tables = checked_tables(tables, self.peers.bound.layout.num_blocks, "D's block tables")
+            tabs = checked_tables(tables, self.peers.bound.layout.num_blocks, "D's block tables")
             if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
                 raise PlanError(f"cached tokens must be an int >= 0, got {cached!r}")
         except PlanError:  # refused before it began: P may free the blocks now
-            self._pool.submit(self.leases.release, _Load(handle, [], 0), "fail")
+            self._pool.submit(self.leases.release, _Load(handle, NO_TABLES, 0), "fail")
             raise
-        job = _Load(handle, tables, cached)
+        job = _Load(handle, tabs, cached)
         with self._lock:
             if handle.request_id in self._loads:
                 raise KVBridgeError(f"request {handle.request_id!r} is already loading")
@@ -162,7 +169,7 @@ class Consumer:
     def release(self, handle: TransferHandle) -> None:
         """Tell P this rank needs none of ``handle``'s blocks (D computed or cached them
         itself), so P frees them once every D rank has said so, not at lease expiry."""
-        self._pool.submit(self.leases.release, _Load(handle, [], 0))
+        self._pool.submit(self.leases.release, _Load(handle, NO_TABLES, 0))
 
     def poll(self) -> list[Outcome]:
         with self._lock:

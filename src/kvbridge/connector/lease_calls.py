@@ -45,7 +45,7 @@ class LeaseCalls:
         if op == "begin":
             with self._turn:
                 self._turn.wait_for(lambda: self._renewing is not job)
-        return lease_op(job.handle, op, self.who, job.token)
+        return lease_op(job, op, self.who)
 
     def call(
         self, peer: Peer | Client, job: _Load, op: LeaseOpName, since: float | None = None

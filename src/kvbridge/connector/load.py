@@ -10,6 +10,7 @@ from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, Message, tables_digest
 from kvbridge.errors import LeaseExpired, PeerError
+from kvbridge.plan.tables import Tables
 from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
 
@@ -74,10 +75,15 @@ class Outcome:
     """Why that mover (e.g. why the kernel mover could not serve this request)."""
 
 
+NO_TABLES = Tables((), ())
+"""The tables of a load that moves nothing (a release, a load refused before it began)."""
+
+
 @dataclass(slots=True)
 class _Load:
     handle: TransferHandle
-    tables: list[list[int]]
+    tables: Tables
+    """D's block tables, checked once (:meth:`Consumer.load`)."""
     cached: int
     state: LoadState = LoadState.QUEUED
     stages: dict[str, float] = field(default_factory=dict)
@@ -109,6 +115,12 @@ class _Load:
     planned_in: str = ""
     """The mover whose own geometry the load was planned in, the only one that may move
     it ("": the pair's geometry, any mover)."""
+    digest: str = ""
+    """:func:`tables_digest` of the handle, that every lease op carries (made once)."""
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            self.digest = tables_digest(self.handle.block_tables, self.handle.n_tokens)
 
     def move(self, to: LoadState) -> None:
         assert to in TRANSITIONS[self.state], (self.state, to)
@@ -121,12 +133,10 @@ class _Load:
         self.mark = now
 
 
-def lease_op(
-    h: TransferHandle, op: LeaseOpName, who: tuple[str, str, int, int], token: str = ""
-) -> LeaseOp:
-    """Lease message ``op`` about ``h``'s request from D rank ``who`` = (engine id,
+def lease_op(job: _Load, op: LeaseOpName, who: tuple[str, str, int, int]) -> LeaseOp:
+    """Lease message ``op`` about ``job``'s request from D rank ``who`` = (engine id,
     epoch, rank, world), with the token of its ``begin`` reply ("" before it began)."""
-    digest = tables_digest(h.block_tables, h.n_tokens)
+    h, token, digest = job.handle, job.token, job.digest
     engine, epoch, rank, world = who
     return LeaseOp(op, h.request_id, h.lease_id, digest, engine, rank, world, epoch, token)
 
@@ -153,7 +163,9 @@ def failed_blocks(spec: ModelSpec, job: _Load) -> list[list[int]]:
     group's, the rest from the first uncached block."""
     out = []
     for g, grp in enumerate(spec.groups):
-        tab = job.tables[g] if g < len(job.tables) else []
-        first = 0 if spec.is_state_group(g) else job.cached // grp.block_size
-        out.append(tab[first:])
+        if g < len(job.tables):
+            first = 0 if spec.is_state_group(g) else job.cached // grp.block_size
+            out.append(job.tables[g][first:].tolist())
+        else:
+            out.append([])
     return out

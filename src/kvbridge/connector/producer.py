@@ -11,10 +11,11 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
-from kvbridge.connector.handle import Tokens, TransferHandle, checked_tables, prompt_digest
+from kvbridge.connector.handle import Tokens, TransferHandle, prompt_digest
 from kvbridge.connector.ordering import Event, wait_written
 from kvbridge.connector.push_gather import PushGather
 from kvbridge.connector.push_ledger import PushLedger
@@ -39,6 +40,7 @@ from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, TransferTimeout
 from kvbridge.layout.tensor import MemKind, regions_at
 from kvbridge.layout.view import RankLayout
+from kvbridge.plan.tables import checked_tables
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport, XferHandle
@@ -240,7 +242,7 @@ class Producer:
     def prefill_done(
         self,
         request_id: str,
-        block_tables: list[list[int]],
+        block_tables: Sequence[Sequence[int] | np.ndarray],
         n_tokens: int,
         payload: bytes = b"",
         prompt: Tokens | None = None,
@@ -249,7 +251,7 @@ class Producer:
         the token ids prefilled (their first ``n_tokens`` name the handle's prompt, which
         D checks before it loads; None: the handle names none)."""
         limits = self.ranks[0].num_blocks if 0 in self.ranks else [1 << 63] * len(self.spec.groups)
-        tables = checked_tables(block_tables, limits, "P's block tables")
+        tables = checked_tables(block_tables, limits, "P's block tables").lists()
         said = b"" if prompt is None else prompt_digest(prompt, n_tokens)
         lease_id = secrets.token_hex(8)
         digest = tables_digest(tables, n_tokens)

@@ -38,8 +38,8 @@ from kvbridge.plan.pattern import (
 )
 from kvbridge.plan.plan import Plan, Use
 from kvbridge.plan.runs import Runs
+from kvbridge.plan.tables import Tables, table, unchecked
 from kvbridge.plan.tables import spans as tile_spans_of
-from kvbridge.plan.tables import table
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.topology.sources import sources
@@ -203,14 +203,15 @@ class Geometry:
     def plan(
         self,
         n_tokens: int,
-        p_tables: Sequence[Sequence[int] | np.ndarray],
-        d_tables: Sequence[Sequence[int] | np.ndarray],
+        p_tables: Sequence[Sequence[int] | np.ndarray] | Tables,
+        d_tables: Sequence[Sequence[int] | np.ndarray] | Tables,
         cached: int = 0,
     ) -> Plan:
         """Runs for one request of ``n_tokens`` prefilled tokens, ``cached`` already on D.
 
         ``p_tables[g]`` / ``d_tables[g]``: block ids of group ``g`` covering tokens
-        ``[0, n_tokens)`` (state groups: one slot id). Raises :class:`PlanError`.
+        ``[0, n_tokens)`` (state groups: one slot id); :class:`~kvbridge.plan.tables.Tables`
+        are not checked again. Raises :class:`PlanError`.
         Every source rank gets the fewest runs that move its bytes.
         """
         if n_tokens < 1 or not 0 <= cached <= n_tokens:
@@ -219,13 +220,15 @@ class Geometry:
             n_p, n_d, n_g = len(p_tables), len(d_tables), len(self.groups)
             raise PlanError(f"{n_p} P and {n_d} D block tables for {n_g} groups")
         if len(self.groups) == 1:
-            return self._plan_one(n_tokens, p_tables[0], d_tables[0], cached)
+            lim = unchecked(p_tables, 0, self.groups[0].p_blocks)
+            return self._plan_one(n_tokens, p_tables[0], d_tables[0], cached, lim)
         uses: list[Use] = []
         jobs: dict[int, list[Job]] = {}
         tabs: dict[int, Tab] = {}
         written: dict[int, list[int]] = {}
         for g, gg in enumerate(self.groups):
-            ptab = table(p_tables[g], gg.p_blocks, n_tokens, gg.bp, gg.p_per_tile, gg.state, "P", g)
+            lim = unchecked(p_tables, g, gg.p_blocks)
+            ptab = table(p_tables[g], lim, n_tokens, gg.bp, gg.p_per_tile, gg.state, "P", g)
             dtab = table(d_tables[g], 0, n_tokens, gg.bd, gg.d_per_tile, gg.state, "D", g)
             first = _jobs(gg, g, n_tokens, cached, jobs, uses)
             if first < n_tokens:
@@ -238,10 +241,10 @@ class Geometry:
         runs = {src: self._rank(src, js, tabs, keys) for src, js in jobs.items()}
         return Plan(runs, uses)
 
-    def _plan_one(self, n: int, p_ids: Ids, d_ids: Ids, cached: int) -> Plan:
+    def _plan_one(self, n: int, p_ids: Ids, d_ids: Ids, cached: int, lim: int) -> Plan:
         """:meth:`plan` for one group (a dense model): the same steps, less bookkeeping."""
         gg = self.groups[0]
-        ptab = table(p_ids, gg.p_blocks, n, gg.bp, gg.p_per_tile, gg.state, "P", 0)
+        ptab = table(p_ids, lim, n, gg.bp, gg.p_per_tile, gg.state, "P", 0)
         dtab = table(d_ids, 0, n, gg.bd, gg.d_per_tile, gg.state, "D", 0)
         jobs: dict[int, list[Job]] = {}
         uses: list[Use] = []

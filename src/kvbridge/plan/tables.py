@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,6 +15,73 @@ from kvbridge.spec.model import Kind, Layer
 
 SMALL = 256
 """Up to this many ids, sorting a copy is cheaper than numpy's reductions."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tables:
+    """Block tables checked where they enter (:func:`checked_tables`): one 1-D int64
+    array per group, every id in ``[0, limits[g])``. The planner takes them as they are."""
+
+    ids: tuple[np.ndarray, ...]
+    limits: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, g: int) -> np.ndarray:
+        return self.ids[g]
+
+    def lists(self) -> list[list[int]]:
+        """As the handle and the lease carry them."""
+        return [t.tolist() for t in self.ids]
+
+
+def checked_tables(tables: object, num_blocks: Sequence[int], who: str) -> Tables:
+    """``tables`` (one list of ints or 1-D integer array per group) as :class:`Tables`,
+    each id in ``[0, num_blocks[g])``; :class:`PlanError` naming the first offending
+    value otherwise. Nothing is coerced: ``0.9``, ``"3"`` and ``True`` are refused, not
+    read as blocks 0, 3 and 1."""
+    if isinstance(tables, Tables) and tables.limits == tuple(num_blocks):
+        return tables
+    if not isinstance(tables, Sequence | np.ndarray) or len(tables) != len(num_blocks):
+        got = len(tables) if isinstance(tables, Sequence | np.ndarray) else type(tables).__name__
+        raise PlanError(f"{who}: need {len(num_blocks)} block tables (one per group), got {got}")
+    pairs = enumerate(zip(tables, num_blocks, strict=True))
+    return Tables(tuple(_ids(t, lim, who, g) for g, (t, lim) in pairs), tuple(num_blocks))
+
+
+def _ids(t: object, limit: int, who: str, g: int) -> np.ndarray:
+    """One group's ids as a checked int64 array (:func:`checked_tables`)."""
+    if isinstance(t, np.ndarray):
+        if t.ndim != 1 or t.dtype.kind not in "iu":
+            raise PlanError(f"{who}: table {g} is a {t.dtype} array of shape {t.shape}")
+        arr = t.astype(np.int64, copy=False)
+        if arr.size and arr.view(np.uint64).max() >= limit:  # negative ids wrap to huge ones
+            _outside(who, g, int(t.min()), int(t.max()), limit)
+        return arr
+    if not isinstance(t, Sequence) or isinstance(t, str | bytes):
+        raise PlanError(f"{who}: table {g} is a {type(t).__name__}, not a list of block ids")
+    if not {*map(type, t)} <= {int}:  # the rare case: numpy integers, or no block id
+        t = [int(x) if isinstance(x, np.integer) else x for x in t]
+        odd = [x for x in t if type(x) is not int][:1]
+        if odd:
+            bad, kind = odd[0], type(odd[0]).__name__
+            raise PlanError(f"{who}: table {g} holds {bad!r} ({kind}), not a block id")
+    if t and not (min(t) >= 0 and max(t) < limit):
+        _outside(who, g, min(t), max(t), limit)
+    return np.array(t, dtype=np.int64)
+
+
+def _outside(who: str, g: int, lo: int, hi: int, limit: int) -> None:
+    worst = lo if lo < 0 else hi
+    raise PlanError(f"{who}: table {g} holds block {worst}, outside [0, {limit})")
+
+
+def unchecked(tables: object, g: int, limit: int) -> int:
+    """The limit :func:`table` checks group ``g``'s ids against: 0 (none) where
+    ``tables`` were checked against at most ``limit``."""
+    ok = isinstance(tables, Tables) and 0 < tables.limits[g] <= limit
+    return 0 if ok else limit
 
 
 @functools.lru_cache(maxsize=4096)
@@ -43,7 +111,8 @@ def table(
     side: str,
     g: int,
 ) -> np.ndarray:
-    """Block ids as int64, range-checked (if ``limit``) over the entries ``n`` tokens use.
+    """Block ids as int64, range-checked (if ``limit``) over the entries ``n`` tokens use,
+    padded to whole tiles. :class:`Tables` come as they are (``limit`` 0: :func:`unchecked`).
 
     D's ids are checked where they are written (:func:`kvbridge.plan.joins.check_written`):
     only those are ever addressed."""

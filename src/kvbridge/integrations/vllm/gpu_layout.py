@@ -284,16 +284,16 @@ def _group_blocks(
     return tuple(groups), tuple(splits), tuple(counts)
 
 
-def kernel_tables(tables: Sequence[list[int]], splits: Sequence[int]) -> list[list[int]]:
+def kernel_tables(
+    tables: Sequence[list[int]], splits: Sequence[int]
+) -> list[list[int] | np.ndarray]:
     """vLLM's per-group block ids as described block ids: id ``b`` of a group split in
     ``s`` kernel blocks becomes ``b·s, …, b·s + s - 1`` (as vLLM's
     ``AttentionGroup.map_to_kernel_block_table``, ``vllm/v1/worker/utils.py``, maps them
-    for its kernels). A group of split 1 keeps its list; a split one is mapped by numpy,
-    with no Python step per block."""
+    for its kernels). A group of split 1 keeps its list; a split one becomes an int64
+    array (mapped by numpy, with no Python step per block), as the planner keeps it."""
     return [
-        tab
-        if s == 1
-        else (np.asarray(tab, dtype=np.int64)[:, None] * s + np.arange(s)).ravel().tolist()
+        tab if s == 1 else (np.asarray(tab, dtype=np.int64)[:, None] * s + np.arange(s)).ravel()
         for tab, s in zip(tables, splits, strict=True)
     ]
 

@@ -27,7 +27,7 @@ from kvbridge.adapter import (
     increase,
     refusal,
 )
-from kvbridge.api import Keys, KVBridgeError, Producer, RankInfo
+from kvbridge.api import Keys, KVBridgeError, Producer, RankInfo, TransferHandle
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
@@ -45,6 +45,9 @@ class SchedulerSide:
         """P: lease refusals by cause, as of the last step."""
         self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
         """Per group: P's described blocks per vLLM block (from its ranks' layouts)."""
+        self._decoded: dict[str, tuple[str, TransferHandle | None]] = {}
+        """D: per waiting request, its handle text and the handle (None: malformed),
+        decoded once in this process; dropped once dealt with."""
 
     # --- P ---------------------------------------------------------------------------
     def set_ranks(self, infos: dict[int, bytes]) -> None:
@@ -86,6 +89,7 @@ class SchedulerSide:
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self.requests.finished(request.request_id)
+        self._decoded.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode")) or self.producer is None:
             return False, None
@@ -100,23 +104,35 @@ class SchedulerSide:
         return True, {HANDLE_KEY: encode_handle(handle)}
 
     # --- D ---------------------------------------------------------------------------
+    def _handle(self, request: Any, text: Any) -> TransferHandle | None:
+        """``request``'s handle from its ``text``, decoded once per request; None if
+        malformed (the workers report that, by policy)."""
+        known = self._decoded.get(request.request_id)
+        if known is not None and known[0] == text:
+            return known[1]
+        try:
+            handle: TransferHandle | None = decode_handle(text)
+        except KVBridgeError:
+            handle = None
+        self._decoded[request.request_id] = (text, handle)
+        return handle
+
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
         if text is None or not self.cfg.consumer or self.requests.begun(request.request_id):
             return 0, False
-        try:
-            n = decode_handle(text).n_tokens
-        except KVBridgeError:
-            n = request.num_prompt_tokens - 1  # the workers report the failure, by policy
-        n = min(n, request.num_prompt_tokens - 1)
+        n = _tokens(request, self._handle(request, text))
         return (n - num_computed, True) if n > num_computed else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
         if text is None or not self.cfg.consumer or self.requests.begun(request.request_id):
             return
+        handle = self._handle(request, text)
+        self._decoded.pop(request.request_id, None)
         # vLLM's prompt_token_ids: none for a prompt given as embeddings
-        refused = refusal(str(text), getattr(request, "prompt_token_ids", None))
+        prompt = getattr(request, "prompt_token_ids", None)
+        refused = "" if handle is None else refusal(handle, prompt)
         if num_external <= 0:
             # D's own cache holds the prompt: P may free the request's blocks now rather
             # than at lease expiry (not another prompt's: that would end its lease)
@@ -126,7 +142,7 @@ class SchedulerSide:
                 )
             self.requests.release(request.request_id, "" if refused else str(text))
             return
-        n, _ = self.matched_tokens(request, 0)
+        n = _tokens(request, handle)
         tables = self.cache.state_tables([list(map(int, g)) for g in blocks.get_block_ids()], n)
         job = LoadJob(request.request_id, str(text), tables, n - num_external, refused)
         self.requests.load(job)
@@ -149,3 +165,10 @@ class SchedulerSide:
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
+
+
+def _tokens(request: Any, handle: TransferHandle | None) -> int:
+    """Prompt tokens D loads for ``request``: the handle's, never its last one (a
+    malformed handle: all but the last; the workers report the failure, by policy)."""
+    last = request.num_prompt_tokens - 1
+    return last if handle is None else min(handle.n_tokens, last)
