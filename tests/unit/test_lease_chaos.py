@@ -214,6 +214,7 @@ class Chaos:
                     outs[(t, o.request_id)], polled[(t, o.request_id)] = o, time.monotonic()
             time.sleep(0.001)
         ok_per_request, copies = Counter[str](), Counter(ld.rid for ld in loads)
+        lapsed = set()  # requests whose lease a copy found expired, a lease after the grant
         for ld in loads:
             out, d = outs[(ld.d, ld.rid)], self.ds[ld.d]
             got = d.mem[ld.blocks]
@@ -225,6 +226,8 @@ class Chaos:
             late = f"LeaseExpired: lease of {ld.rid!r} expired at begin"
             expired = f"LeaseExpired: lease of {ld.rid!r} expired at confirm"
             self.renews(ld, loads, out.ok)
+            if out.error in (late, expired) and polled[(ld.d, ld.rid)] - ld.granted > LEASE_S:
+                lapsed.add(ld.rid)
             if out.ok:
                 ok_per_request[ld.rid] += 1
                 self.n["successes"] += 1
@@ -234,17 +237,17 @@ class Chaos:
                 self.n["duplicates refused at begin"] += out.error in refused
                 self.why[refused.get(out.error, "")] += out.error in refused
                 self.n["duplicates begun after the lease ended"] += out.error == late
-            elif out.error in (late, expired) and (
-                slow or polled[(ld.d, ld.rid)] - ld.granted > LEASE_S
-            ):
+            elif out.error in (late, expired) and (slow or ld.rid in lapsed):
                 assert out.error == expired or untouched, f"{ld.rid}: a late begin wrote"
                 self.n["failures"] += 1
                 self.n["stale reads caught"] += not right and not untouched
-                self.n["expired in other waves"] += not slow
             else:
                 raise AssertionError(f"unexpected outcome of {ld.rid} (slow: {slow}): {out}")
             d.free += ld.blocks
         self.n["requests"] += len({ld.rid for ld in loads})
+        for rid in set(copies) - set(ok_per_request) if not slow else ():
+            assert rid in lapsed, f"{rid}: no copy succeeded, yet no lease ran out"
+            self.n["expired in other waves"] += 1
         assert max(ok_per_request.values(), default=0) <= 1
 
     def renews(self, ld: Load, loads: list[Load], ok: bool) -> None:
