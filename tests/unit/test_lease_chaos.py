@@ -196,7 +196,7 @@ class Chaos:
         assert isinstance(reply, LeaseReply)
         self.n["forged ops"] += 1
         self.n[f"forged ops answered {reply.state}"] += 1
-        self.why[reply.reason] += 1
+        self.why[reply.reason] += reply.state != "expired"  # a lease gone: nothing refused
 
     def check(self, loads: list[Load], slow: bool) -> None:
         """Every outcome in its bucket: a success (bytes right), a duplicate refused at
