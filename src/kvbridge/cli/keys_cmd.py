@@ -70,5 +70,6 @@ def run_allow(args: argparse.Namespace) -> int:
     if len(words) != 2:
         raise ConfigError(f"expected 'ENGINE_ID PUBLIC', got {len(words)} words: {words}")
     keys = Keys.add_peers(args.file, {words[0]: words[1]})
-    print(f"{keys.engine_id}: {len(keys.peers)} peers")
+    n = len(keys.peers)
+    print(f"{keys.engine_id}: {n} peer{'' if n == 1 else 's'}")
     return 0
