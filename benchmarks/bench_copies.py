@@ -3,7 +3,7 @@ progression) against one gather-scatter, and what :func:`copy_equal` chooses.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_copies.py [--mib 8] [--repeat 15]
+    .venv/bin/python -m benchmarks.bench_copies [--mib 8] [--repeat 15]
 
 Per run size and progression length: ``--mib`` MiB of runs read from every other run of
 a source buffer (a D rank's half of NHD token rows, as a staged 1→2 pull reads them) and

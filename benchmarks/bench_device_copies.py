@@ -3,7 +3,7 @@
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_device_copies.py [--device cuda] [--scale N] [--repeat 5]
+    .venv/bin/python -m benchmarks.bench_device_copies [--device cuda] [--scale N] [--repeat 5]
         [--threads N]
 
 Four shapes (runs × run bytes), each run read from and written to a buffer twice the

@@ -2,7 +2,7 @@
 what, bucket runs, links) for catalog models, TP pairs and layouts: median of
 ``--repeats`` builds per case, D rank 0, blocks of 16 on both sides.
 
-    .venv/bin/python benchmarks/bench_geometry.py [--repeats 3]
+    .venv/bin/python -m benchmarks.bench_geometry [--repeats 3]
 
 To time another checkout (e.g. before a change), run this file with
 ``PYTHONPATH=<checkout>/src``.

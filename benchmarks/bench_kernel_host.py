@@ -7,7 +7,7 @@ Llama-3.1-8B shapes (bf16, block 16, 4,000 blocks), shuffled block ids, syntheti
 addresses (nothing is touched: the spans' tensors are stand-ins). Target (issue 23):
 plan + choose ≤ 100 µs per request at 8k tokens.
 
-Usage: python benchmarks/bench_kernel_host.py [--calls N]
+Usage: python -m benchmarks.bench_kernel_host [--calls N]
 """
 
 from __future__ import annotations

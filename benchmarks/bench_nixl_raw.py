@@ -2,7 +2,7 @@
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_nixl_raw.py [--mib 256] [--repeat 5] [--threads 2]
+    .venv/bin/python -m benchmarks.bench_nixl_raw [--mib 256] [--repeat 5] [--threads 2]
 
 An owner process (P) registers a ``--mib`` MiB buffer and keeps its agent progressing;
 this process (D) READs all of it in shuffled runs of 4 KiB, 64 KiB and 1 MiB and in

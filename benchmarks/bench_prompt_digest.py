@@ -3,7 +3,7 @@ and the candidates it was chosen from, on one prompt of ``--tokens`` token ids.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_prompt_digest.py [--tokens 32768] [--repeat 7] [--inner 20]
+    .venv/bin/python -m benchmarks.bench_prompt_digest [--tokens 32768] [--repeat 7] [--inner 20]
 
 Inputs: a Python list of ints (what vLLM's ``Request.prompt_token_ids`` is) and numpy
 arrays of int32 and int64. Per row: the best, over ``--repeat`` rounds, of the median

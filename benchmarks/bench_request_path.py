@@ -5,7 +5,7 @@ P's lease bookkeeping per request. Meant to compare two versions of kvbridge on 
 machine in one sitting (the script uses only API both have; where ``prefill_done`` /
 ``load`` take the prompt, it passes it, so the digest's cost is in the figures).
 
-Usage: PYTHONPATH=src python benchmarks/bench_request_path.py [--requests N] [--tokens T]
+Usage: PYTHONPATH=src python -m benchmarks.bench_request_path [--requests N] [--tokens T]
        [--transport loopback|nixl]
 """
 

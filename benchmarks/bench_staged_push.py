@@ -4,7 +4,7 @@ Every token row of K and V splits into a 1 KiB run per D rank: 65,536 runs per D
 for 1,024 tokens. Requests alternate direct, staged (A B A B ...); the figure is the
 post + transfer stages (slowest D rank), medians over the repeats; bytes checked once per mode.
 
-    UCX_MODULES=^ib NIXL_LOG_LEVEL=WARN .venv/bin/python benchmarks/bench_staged_push.py --repeats 7
+    UCX_MODULES=^ib NIXL_LOG_LEVEL=WARN .venv/bin/python -m benchmarks.bench_staged_push --repeats 7
 """
 
 from __future__ import annotations

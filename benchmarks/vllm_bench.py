@@ -55,7 +55,7 @@ SIDE_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 _SITECUSTOMIZE = f"""import sys
 
-sys.path.append({str(Path(__file__).resolve().parents[1])!r})  # the checkout: benchmarks/
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})  # this checkout's benchmarks/
 
 from benchmarks.nixl_delay import patch_from_env
 

@@ -22,7 +22,7 @@ from typing import Any
 from refengine.errors import EngineError
 
 MIXERS = ("full", "sliding", "mla", "gdn", "kda", "mamba")
-"""The built-in mixer kinds (``engine/mixers.py`` holds every registered one)."""
+"""The built-in mixer kinds (``refengine/mixers.py`` holds every registered one)."""
 
 
 @dataclass(frozen=True, slots=True)

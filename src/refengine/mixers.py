@@ -5,8 +5,8 @@ A mixer kind pairs what a layer keeps in the paged cache (a kvbridge
 that computes it. The built-in kinds register themselves next to their modules
 (``attention.py``: full, sliding, mla; ``recurrent.py``: gdn, kda, mamba); a new kind is
 one module with its class and a :func:`register_mixer` call, imported at the end of this
-file. ``ModelConfig.pattern`` names kinds; the spec (``engine/spec.py``) and the model
-(``engine/model.py``) both look them up here, so the two cannot disagree.
+file. ``ModelConfig.pattern`` names kinds; the spec (``refengine/spec.py``) and the model
+(``refengine/model.py``) both look them up here, so the two cannot disagree.
 """
 
 from __future__ import annotations

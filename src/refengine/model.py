@@ -1,6 +1,6 @@
 """The decoder: embedding → [norm → mixer → norm → SwiGLU MLP] × layers → norm → logits.
 
-With PP, a rank runs only its stage's layers (``engine/comm.py`` passes hidden states on).
+With PP, a rank runs only its stage's layers (``refengine/comm.py`` passes hidden states on).
 
 Mixer and MLP outputs are partial sums of row-parallel projections; ``reduce`` (an
 all-reduce over the TP group, or nothing at TP 1) completes them. Embedding, norms and

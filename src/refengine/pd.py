@@ -21,7 +21,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbridge.adapter import LoadJob, decode_handle, encode_handle, failure, refusal, summed
+from kvbridge.adapter import LoadJob, decode_handle, encode_handle, failure, summed
 from kvbridge.api import (
     Mode,
     Outcome,
@@ -203,8 +203,12 @@ class DecodeServer:
     ) -> list[Outcome]:
         """Every D rank's outcome; a handle of another prompt fails on every rank before
         any is asked to load (nothing reaches P), and the policy decides as for any failure."""
-        text = encode_handle(handle)
-        job = LoadJob(req_id, text, tables, n_cached, refusal(text, prompt))
+        try:  # only a mismatch is the load's failure; other bad input raises, typed
+            handle.check_prompt(prompt)
+            refused = ""
+        except PromptMismatch as e:
+            refused = str(e)
+        job = LoadJob(req_id, encode_handle(handle), tables, n_cached, refused)
         if job.refused:
             return [failure(req_id, PromptMismatch(job.refused), self.policy)] * self.engine.world
         self.engine.call_ranks(LoadKV(job))

@@ -20,6 +20,6 @@ from refengine.mixers import get_mixer
 
 def model_spec(cfg: ModelConfig, block_size: int = 16) -> ModelSpec:
     """One group per kind present (see :func:`group_by_kind`), ``block_size`` tokens;
-    each layer's streams as its mixer kind declares them (``engine/mixers.py``)."""
+    each layer's streams as its mixer kind declares them (``refengine/mixers.py``)."""
     layers = [get_mixer(mixer).cache(i, cfg) for i, mixer in enumerate(cfg.pattern)]
     return group_by_kind(cfg.name, layers, block_size)

@@ -49,7 +49,8 @@ def allow(capsys: pytest.CaptureFixture[str], file: Path, peer: Path) -> None:
     before = len(Keys.load(file).peers)
     assert main(["keys", "allow", str(file), line]) == 0
     n = len(Keys.load(file).peers)
-    assert capsys.readouterr().out == f"{Keys.load(file).engine_id}: {n} peer{'s' * (n != 1)}\n"
+    said = {1: "1 peer", 2: "2 peers", 3: "3 peers"}[n]
+    assert capsys.readouterr().out == f"{Keys.load(file).engine_id}: {said}\n"
     assert n == before + 1
 
 

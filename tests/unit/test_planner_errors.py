@@ -65,6 +65,9 @@ def test_a_d_rank_without_a_layout_is_named():
     for bounds, rank in (({0: Bound(lay, (0, 0))}, 1), ([Bound(lay, (0, 0))], 1), ([], 0)):
         with pytest.raises(IncompatibleError, match=f"D rank {rank} of world 2: no layout"):
             Geometry(p_side, Side(SPEC, Parallel(2), bounds), rank)
+    with pytest.raises(IncompatibleError, match="P rank 0 of world 1: no layout"):
+        d_side = Side(SPEC, Parallel(2), [Bound(lay, (0, 0))])
+        Geometry(Side(SPEC, Parallel(1), {1: p_side.bounds[0]}), d_side, 0)
     with pytest.raises(IncompatibleError, match="D rank 2 of world 2"):
         Geometry(p_side, Side(SPEC, Parallel(2), [Bound(lay, (0, 0))] * 3), 2)
 
@@ -154,3 +157,24 @@ def test_checked_tables_are_int64_arrays_the_planner_takes_as_they_are():
     loose = checked_tables([[0, 1, 10]], [100], "P")
     with pytest.raises(PlanError, match=r"P block ids span \[0, 10\]; valid are \[0, 10\)"):
         g.plan(40, loose, [[0, 1, 2]])
+
+
+def test_checked_tables_are_a_frozen_copy_and_only_checked_tables_are_trusted():
+    """The caller may reuse its buffer after handing it over: the checked ids keep their
+    values. A :class:`Tables` not made by ``checked_tables`` (or checked against other
+    limits) is checked again, by the planner and at the edge."""
+    buf = np.array([0, 1, 2], dtype=np.int64)
+    tabs = checked_tables([buf], [10], "D")
+    buf[:] = 7
+    assert tabs.ids[0].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="read-only"):
+        tabs.ids[0][0] = 9
+    forged = Tables((np.array([0, 1, 10**6]),), (10,))
+    with pytest.raises(PlanError, match=r"P block ids span \[0, 1000000\]; valid are \[0, 10\)"):
+        geometry().plan(40, forged, [[0, 1, 2]])
+    with pytest.raises(PlanError, match=r"D: table 0 holds block 1000000, outside \[0, 10\)"):
+        checked_tables(forged, [10], "D")
+    wide = checked_tables([[0, 1, 15]], [20], "D")
+    with pytest.raises(PlanError, match=r"D: table 0 holds block 15, outside \[0, 10\)"):
+        checked_tables(wide, [10], "D")
+    assert checked_tables(wide, [20], "D") is wide

@@ -69,3 +69,42 @@ def test_load_refused_before_queueing_is_counted_not_timed() -> None:
     assert reg.get_sample_value("vllm:kvbridge_load_failures_total", labels) == 2
     assert reg.get_sample_value("vllm:kvbridge_failed_load_seconds_count", labels) == 1
     assert reg.get_sample_value("vllm:kvbridge_failed_load_seconds_sum", labels) == 0.2
+
+
+B = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+PINNED = {  # name: (type, labels besides the engine's, buckets): dashboards rely on these
+    "vllm:kvbridge_loads": ("counter", ["outcome"], None),
+    "vllm:kvbridge_loads_by_mover": ("counter", ["mover"], None),
+    "vllm:kvbridge_load_failures": ("counter", ["cause"], None),
+    "vllm:kvbridge_transferred_bytes": ("counter", [], None),
+    "vllm:kvbridge_descriptors": ("counter", [], None),
+    "vllm:kvbridge_load_seconds": ("histogram", [], B),
+    "vllm:kvbridge_failed_load_seconds": ("histogram", ["cause"], [*B, 15, 30, 60, 120, 300]),
+    "vllm:kvbridge_load_stage_seconds": ("histogram", ["stage"], B),
+    "vllm:kvbridge_leases": ("counter", ["end"], None),
+    "vllm:kvbridge_releases": ("counter", [], None),
+    "vllm:kvbridge_refused": ("counter", ["what", "cause"], None),
+}
+
+
+def test_the_metric_names_types_labels_and_buckets_are_pinned() -> None:
+    """The Prometheus series as released: a change to the metric table that renames,
+    relabels or rebuckets one fails here (a new metric is added to this list)."""
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = KVBridgeConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]}
+    )
+    ok = Outcome("a", True, bytes=1, descriptors=1, seconds=0.1, stages={"post": 0.1}, mover="pull")
+    failed = Outcome("b", False, seconds=1.0, error="TransferTimeout: x")
+    events = {"lease_done": 1, "release": 1, "refused_lease:other engine": 1}
+    prom.observe({"loads": [observation(ok), observation(failed)], "events": events})
+    got = {}
+    for fam in reg.collect():
+        if not fam.name.startswith("vllm:kvbridge_"):
+            continue
+        labels = sorted({k for s in fam.samples for k in s.labels} - {"engine", "le"})
+        les = sorted({float(s.labels["le"]) for s in fam.samples if "le" in s.labels})
+        got[fam.name] = (fam.type, labels, [x for x in les if x != float("inf")] or None)
+    want = {k: (t, sorted(lab), b) for k, (t, lab, b) in PINNED.items()}
+    assert got == want

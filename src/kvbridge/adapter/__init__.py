@@ -10,9 +10,10 @@ between its own hooks and :mod:`kvbridge.api`.
     metrics.py   the outcome → metrics schema: one table (:func:`metrics`) drives the
                  per-load observation, its summary and an engine's metric objects
 
-The vLLM integration (``kvbridge.integrations.vllm``) and the reference engine
-(``src/refengine``) use these; an engine adapter adds only that engine's hooks. Nothing
-here imports an engine, torch or numpy.
+The vLLM integration (``kvbridge.integrations.vllm``) uses all of these; the reference
+engine (``src/refengine``, which has no scheduler queue or Mamba slots of vLLM's kind)
+the handle codec, ``LoadJob``, ``failure`` and ``summed``. An engine adapter adds only
+that engine's hooks. Nothing here imports an engine, torch or numpy.
 """
 
 from kvbridge.adapter.handles import HANDLE_KEY, decode_handle, encode_handle, refusal

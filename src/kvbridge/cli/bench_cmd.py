@@ -73,13 +73,9 @@ def _checkout() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _checkout()
-
     def say(line: str) -> None:
         print(f"bench {args.what} {line}", file=sys.stderr, flush=True)
 
-    if args.plot is not None:
-        _check_plot(args.what, args.plot)
     if args.trace and args.what != "vllm":
         from kvbridge.errors import ConfigError
 
@@ -88,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         from kvbridge.errors import ConfigError
 
         raise ConfigError(f"--only: bench {args.what} has no case filter; --only works with trace")
+    _checkout()  # the flags first: their errors do not need a checkout
+    if args.plot is not None:
+        _check_plot(args.what, args.plot)
     if args.what == "trace":
         return _trace(args)
     if args.what == "plan":

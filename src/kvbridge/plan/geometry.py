@@ -130,6 +130,8 @@ class Geometry:
             d_bound = None
         if d_bound is None:
             raise IncompatibleError(f"D rank {d_rank} of world {d_par.world}: no layout for it")
+        if isinstance(p.bounds, Mapping) and (lost := sorted({*range(p_par.world)} - {*p.bounds})):
+            raise IncompatibleError(f"P rank {lost[0]} of world {p_par.world}: no layout for it")
         p_bound = [p.bounds[r] for r in range(p_par.world)]
         self.spec = spec_d
         self.d_rank = d_rank

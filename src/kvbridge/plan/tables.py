@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,11 +19,14 @@ SMALL = 256
 
 @dataclass(frozen=True, slots=True)
 class Tables:
-    """Block tables checked where they enter (:func:`checked_tables`): one 1-D int64
-    array per group, every id in ``[0, limits[g])``. The planner takes them as they are."""
+    """Block tables checked where they enter (:func:`checked_tables`): one read-only 1-D
+    int64 array per group (a copy: the caller may reuse its buffer), every id in
+    ``[0, limits[g])``. The planner takes them as they are only when
+    :func:`checked_tables` made them (``seal``); any other instance is checked again."""
 
     ids: tuple[np.ndarray, ...]
     limits: tuple[int, ...]
+    seal: object = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -41,13 +44,19 @@ def checked_tables(tables: object, num_blocks: Sequence[int], who: str) -> Table
     each id in ``[0, num_blocks[g])``; :class:`PlanError` naming the first offending
     value otherwise. Nothing is coerced: ``0.9``, ``"3"`` and ``True`` are refused, not
     read as blocks 0, 3 and 1."""
-    if isinstance(tables, Tables) and tables.limits == tuple(num_blocks):
-        return tables
+    if isinstance(tables, Tables):
+        if tables.seal is _SEAL and tables.limits == tuple(num_blocks):
+            return tables
+        tables = tables.ids  # checked against other limits, or not by us: check again
     if not isinstance(tables, Sequence | np.ndarray) or len(tables) != len(num_blocks):
         got = len(tables) if isinstance(tables, Sequence | np.ndarray) else type(tables).__name__
         raise PlanError(f"{who}: need {len(num_blocks)} block tables (one per group), got {got}")
     pairs = enumerate(zip(tables, num_blocks, strict=True))
-    return Tables(tuple(_ids(t, lim, who, g) for g, (t, lim) in pairs), tuple(num_blocks))
+    return Tables(tuple(_ids(t, lim, who, g) for g, (t, lim) in pairs), tuple(num_blocks), _SEAL)
+
+
+_SEAL = object()
+"""What only :func:`checked_tables` puts in a :class:`Tables`."""
 
 
 def _ids(t: object, limit: int, who: str, g: int) -> np.ndarray:
@@ -55,9 +64,10 @@ def _ids(t: object, limit: int, who: str, g: int) -> np.ndarray:
     if isinstance(t, np.ndarray):
         if t.ndim != 1 or t.dtype.kind not in "iu":
             raise PlanError(f"{who}: table {g} is a {t.dtype} array of shape {t.shape}")
-        arr = t.astype(np.int64, copy=False)
+        arr = np.array(t, dtype=np.int64)  # a copy: checked ids cannot change later
         if arr.size and arr.view(np.uint64).max() >= limit:  # negative ids wrap to huge ones
             _outside(who, g, int(t.min()), int(t.max()), limit)
+        arr.flags.writeable = False
         return arr
     if not isinstance(t, Sequence) or isinstance(t, str | bytes):
         raise PlanError(f"{who}: table {g} is a {type(t).__name__}, not a list of block ids")
@@ -69,7 +79,9 @@ def _ids(t: object, limit: int, who: str, g: int) -> np.ndarray:
             raise PlanError(f"{who}: table {g} holds {bad!r} ({kind}), not a block id")
     if t and not (min(t) >= 0 and max(t) < limit):
         _outside(who, g, min(t), max(t), limit)
-    return np.array(t, dtype=np.int64)
+    arr = np.array(t, dtype=np.int64)
+    arr.flags.writeable = False
+    return arr
 
 
 def _outside(who: str, g: int, lo: int, hi: int, limit: int) -> None:
@@ -80,7 +92,7 @@ def _outside(who: str, g: int, lo: int, hi: int, limit: int) -> None:
 def unchecked(tables: object, g: int, limit: int) -> int:
     """The limit :func:`table` checks group ``g``'s ids against: 0 (none) where
     ``tables`` were checked against at most ``limit``."""
-    ok = isinstance(tables, Tables) and 0 < tables.limits[g] <= limit
+    ok = isinstance(tables, Tables) and tables.seal is _SEAL and 0 < tables.limits[g] <= limit
     return 0 if ok else limit
 
 

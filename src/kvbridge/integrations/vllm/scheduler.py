@@ -110,8 +110,8 @@ class SchedulerSide:
         known = self._decoded.get(request.request_id)
         if known is not None and known[0] == text:
             return known[1]
-        try:
-            handle: TransferHandle | None = decode_handle(text)
+        try:  # vLLM's transfer params are JSON: a handle is text, anything else malformed
+            handle = decode_handle(text) if isinstance(text, str) else None
         except KVBridgeError:
             handle = None
         self._decoded[request.request_id] = (text, handle)
