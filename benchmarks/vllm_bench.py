@@ -6,7 +6,9 @@ Per case (model, P and D block sizes and TP) four engines run at once: a P and a
 each connector, P pinned to CPU 0 and D to CPU 1 for both. Then:
 
 * **first**: one request through each pair first, timed on its own: it pays the
-  connector's handshake with P.
+  connector's handshake with P. Reported whole (``first_ms``), as P's and D's calls
+  (``first_p_ms``, ``first_d_ms``) and, for kvbridge, as the load's mover and stages
+  (``first_stages_ms``: queue, handshake, lease, plan, post, transfer, verify).
 * **output**: a batch of prompts goes P → D through each connector; D's greedy tokens are
   compared with a colocated run (the kvbridge D engine without a handle, its prefix cache
   reset after). ``match``, ``WRONG`` (tokens differ, no error), or ``refused`` (the
@@ -201,17 +203,15 @@ def take_records(worker: Any) -> list[dict[str, Any]]:
 # --- reading the records ----------------------------------------------------------------
 def transfers(connector: str, records: list[dict[str, Any]]) -> dict[str, float]:
     """Successful loads (NixlConnector: transfers, one per P rank), descriptors, bytes and
-    transfer seconds in ``records``."""
+    transfer seconds in ``records`` (kvbridge: the loads are observations,
+    :func:`kvbridge.adapter.observation`)."""
     if connector == "kvbridge":
-        loads = [x for r in records for x in r.get("loads", []) if x["ok"]]
+        loads = [x for r in records for x in r.get("loads", []) if ("ok", 1) in x["loads"]]
         return {
             "loads": len(loads),
-            "descriptors": sum(x["descriptors"] for x in loads),
-            "bytes": sum(x["bytes"] for x in loads),
-            "transfer_s": max(
-                (x["stages"].get("post", 0) + x["stages"].get("transfer", 0) for x in loads),
-                default=0.0,
-            ),
+            "descriptors": sum(n for x in loads for (n,) in x["descriptors"]),
+            "bytes": sum(n for x in loads for (n,) in x["transferred_bytes"]),
+            "transfer_s": max((_post_transfer(x) for x in loads), default=0.0),
         }
     durations = [d for r in records for d in r.get("transfer_duration", [])]
     return {
@@ -220,6 +220,20 @@ def transfers(connector: str, records: list[dict[str, Any]]) -> dict[str, float]
         "bytes": sum(d for r in records for d in r.get("bytes_transferred", [])),
         "transfer_s": max(durations, default=0.0),
     }
+
+
+def _post_transfer(load: dict[str, Any]) -> float:
+    return sum(s for k, s in load["load_stage_seconds"] if k in ("post", "transfer"))
+
+
+def first_load(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """kvbridge's first successful load in ``records``: its mover and stages in ms
+    (empty if none)."""
+    for x in (x for r in records for x in r.get("loads", []) if ("ok", 1) in x["loads"]):
+        stages = {k: round(s * 1e3, 1) for k, s in x["load_stage_seconds"]}
+        (mover,) = [m for m, _ in x["loads_by_mover"]] or ["?"]
+        return {"first_mover": mover, "first_stages_ms": stages}
+    return {}
 
 
 def _verdict(got: list[Any], ref: list[list[int]], loads: float) -> str:
@@ -268,14 +282,20 @@ def run_case(
     t_start = time.perf_counter()
     with engines(_configs(case, model, site)) as eng:
         progress(f"{case.name}: 4 engines up in {time.perf_counter() - t_start:.0f} s")
-        first = {}
+        first: dict[str, dict[str, Any]] = {}
         for conn in CONNECTORS:  # the first request pays the handshake: timed apart
             p, d = eng[conn]
             d.rpc(install_recorder)
             (x,) = _prompts(rng, (case.timed_len,))
             _, t_p, t_d = _pd(p, d, [x], 1)
-            first[conn] = t_p + t_d
-            d.rpc(take_records)
+            first[conn] = {
+                "first_ms": round((t_p + t_d) * 1e3),
+                "first_p_ms": round(t_p * 1e3),
+                "first_d_ms": round(t_d * 1e3),
+            }
+            if conn == "kvbridge":
+                first[conn].update(first_load(records(d)))
+            records(d)
         ref_engine = eng["kvbridge"][1]
         batch = _prompts(rng, case.lengths)
         if case.one_by_one:
@@ -297,10 +317,7 @@ def run_case(
                 row = transfers(conn, records(d))
                 if out[0].tokens:
                     timed[conn].append(dict(row, ttft_s=t_p + t_d, d_s=t_d))
-    rows = [
-        _row(case.name, c, verdict[c], timed[c]) | {"first_ms": round(first[c] * 1e3)}
-        for c in CONNECTORS
-    ]
+    rows = [_row(case.name, c, verdict[c], timed[c]) | first[c] for c in CONNECTORS]
     progress(
         f"{case.name}: "
         + "; ".join(f"{r['connector']} {r['output']} ttft {r['ttft_ms']} ms" for r in rows)

@@ -194,8 +194,8 @@ def _timed(conn: str, p: Engine, d: Engine, x: list[int]) -> dict[str, float] | 
         return None
     records = bench.records(d)
     row = bench.transfers(conn, records)
-    for load in (o for r in records for o in r.get("loads", []) if o["ok"]):
-        for name, sec in load["stages"].items():
+    for load in (o for r in records for o in r.get("loads", []) if ("ok", 1) in o["loads"]):
+        for name, sec in load["load_stage_seconds"]:
             row[f"stage_{name}"] = row.get(f"stage_{name}", 0.0) + sec
     p_seen, d_seen = p.rpc(take_blocks)[0], d.rpc(take_blocks)[0]
     if not out[0].tokens or not p_seen or not d_seen:

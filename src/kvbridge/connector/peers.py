@@ -10,6 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+# numpy >= 2's np.unique imports numpy.ma on its first call (a geometry's build): imported
+# here, at engine start, not in a first request's handshake, where an import in an
+# engine's busy worker process waits for the GIL at each file read (tens of ms).
+import numpy.ma  # noqa: F401
+
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.spans import Regions, regions_of
 from kvbridge.control.channel import Client
