@@ -52,6 +52,17 @@ def test_gap_spans_then_scatter_equal_a_naive_copy(runs: Runs, slot: int, gap: i
     assert np.array_equal(got, want)
 
 
+def test_runs_touching_across_back_to_back_regions_stay_two_spans() -> None:
+    """Regions [0, 1000) and [1000, 2500) adjoin: a run ending at 1000 and one starting
+    there are two descriptors, one per region (hypothesis found this case)."""
+    runs = Runs(np.array([984, 1000]), np.array([0, 16]), np.array([16, 1]))
+    for gap in (0, 16):
+        (c,) = chunks(runs, 100, gap, REGIONS)
+        assert c.span_src.tolist() == [984, 1000] and c.span_len.tolist() == [16, 1]
+    (c,) = chunks(runs, 100, 0, None)  # no regions known: touching runs join
+    assert c.span_src.tolist() == [984] and c.span_len.tolist() == [17]
+
+
 def test_a_head_split_reads_whole_blocks_over_the_other_halves() -> None:
     """NHD, 16 tokens a block, rows of 2 KiB of which this D rank needs 1 KiB."""
     blocks = np.array([5, 2, 9, 7], np.int64)  # P block ids, 32 KiB each

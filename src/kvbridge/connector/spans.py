@@ -86,11 +86,10 @@ def _joins(s: np.ndarray, end: np.ndarray, max_gap: int, regions: Regions | None
     """Per run (sorted by source): does it join the span of the runs before it?"""
     join = np.zeros(s.shape[0], bool)
     join[1:] = s[1:] <= end[:-1]
-    if max_gap > 0 and regions is not None and s.shape[0] > 1:
-        starts, _ = regions
-        reg = np.searchsorted(starts, s, side="right")
-        near = (s[1:] <= end[:-1] + max_gap) & (reg[1:] == reg[:-1])
-        join[1:] |= near
+    if regions is not None and s.shape[0] > 1:
+        # never across regions, even where two lie back to back in address space
+        reg = np.searchsorted(regions[0], s, side="right")
+        join[1:] = (s[1:] <= end[:-1] + max(max_gap, 0)) & (reg[1:] == reg[:-1])
     return join
 
 
