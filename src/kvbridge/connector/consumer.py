@@ -45,6 +45,7 @@ from kvbridge.connector.push import ProbeArea, push_fence_checks
 from kvbridge.connector.staging import Stager
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
+from kvbridge.fdtable import reserve_fds
 from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.pattern import Bound
@@ -127,6 +128,7 @@ class Consumer:
         self.fence = Fence(transport, self._deliver)
         self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
         self._renewer = self.leases.start_renewing(self._stop, self._waiting)
+        reserve_fds()  # a first handshake must not wait for the table to grow
 
     def _register(self, regions: list[Region], staging_bytes: int, workers: int) -> bytes:
         """Register the KV ``regions``, the staging area (in the same memory) and the

@@ -38,6 +38,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, TransferTimeout
+from kvbridge.fdtable import reserve_fds
 from kvbridge.layout.tensor import MemKind, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.tables import checked_tables
@@ -115,6 +116,7 @@ class ProducerWorker:
         offered = [x for x in shares if x is not None]
         kept = offered if len(offered) == len(regions) else None
         self.info = wire_layout(rank, layout, regions, meta, endpoint, kept)
+        reserve_fds()  # a request must not wait for the descriptor table to grow
 
     def _handle(self, msg: Message) -> Message:
         self._sweep()
