@@ -1,5 +1,5 @@
 """Builders of layers, one per cache kind, in the words engines use. The ``config.json``
-readers (:mod:`kvbridge.spec.hf_mixers`) call these too, so a spec built by hand and one
+readers (:mod:`kvbridge.spec.hf`) call these too, so a spec built by hand and one
 loaded from the model's config have the same streams and the same compat hash."""
 
 from __future__ import annotations

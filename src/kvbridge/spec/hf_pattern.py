@@ -1,22 +1,10 @@
-"""What each model layer caches, from the formats Hugging Face configs use.
+"""What each model layer caches, from the formats Hugging Face configs use: the first
+present wins, in the order of ``_READERS`` (the formats: ``docs/spec-file.md``).
 
 Entries: ``full`` (global attention: K/V or MLA, by architecture), ``sliding``,
 ``chunked``, ``linear`` (a state mixer: Mamba, DeltaNet…), ``both`` (attention and a
-state mixer in one layer) and ``none`` (a block that caches nothing). The first format
-present wins, in this order:
-
-    layer_types               ["sliding_attention", "full_attention", "mamba", ...]
-    hybrid_override_pattern   "MEM*EM-"  (M Mamba, * attention, - MLP, E MoE)
-    linear_attn_config        full_attn_layers / kda_layers, 1-indexed
-    attn_type_list            [1, 1, 0, ...]  (1 softmax attention, 0 linear attention)
-    full_attention_interval   layer i is full iff (i+1) % k == 0, else linear
-    attn_layer_period/offset  layer i is attention iff i % period == offset, else linear
-    attention_chunk_size      no_rope_layers[i] == 1 → chunked, 0 → full
-    sliding_window_pattern    layer i is full iff (i+1) % p == 0, else sliding
-    sliding_window            every layer i ≥ max_window_layers sliding (if use_sliding_window)
-
-Parallel hybrids (Falcon-H1) run a state mixer in every layer, attention too in
-``attn_layer_indices`` (all layers when null).
+state mixer in one layer: Falcon-H1, in ``attn_layer_indices`` or every layer) and
+``none`` (a block that caches nothing).
 """
 
 from __future__ import annotations

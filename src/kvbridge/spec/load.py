@@ -11,7 +11,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.spec.dtypes import DType
 from kvbridge.spec.hf import from_hf_config, load_config
 from kvbridge.spec.info import ModelInfo
-from kvbridge.spec.specfile import is_spec_file, load_spec_file, spec_from_dict
+from kvbridge.spec.specfile import load_spec_file, spec_from_dict
 
 
 def load_model(
@@ -28,7 +28,7 @@ def load_model(
         _no_ssm_override(ssm_dtype)
         return load_spec_file(p, kv_dtype)
     data = load_config(p)
-    if is_spec_file(data):
+    if "kvbridge_spec" in data:
         _no_ssm_override(ssm_dtype)
         return spec_from_dict(data, kv_dtype)
     name = p.resolve().parent.name if p.name == "config.json" else p.stem

@@ -6,6 +6,7 @@ Global rank numbering: ``rank = stage * tp + tp_rank``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 from kvbridge.errors import SpecError
 
@@ -43,16 +44,18 @@ class Parallel:
             return self.stages
         if self.pp > num_layers:
             raise SpecError(f"pp={self.pp} exceeds the {num_layers} layers")
-        base, extra = divmod(num_layers, self.pp)
-        out, start = [], 0
-        for s in range(self.pp):
-            stop = start + base + (1 if s < extra else 0)
-            out.append((start, stop))
-            start = stop
-        return tuple(out)
+        return split_evenly(num_layers, self.pp)
 
     def stage_of_layer(self, layer: int, num_layers: int) -> int:
         for s, (a, b) in enumerate(self.stage_ranges(num_layers)):
             if a <= layer < b:
                 return s
         raise SpecError(f"layer {layer} outside [0, {num_layers})")
+
+
+def split_evenly(n: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """``parts`` consecutive ``[start, stop)`` ranges over ``n`` items; earlier ranges take
+    the remainder."""
+    base, extra = divmod(n, parts)
+    sizes = (base + 1 if s < extra else base for s in range(parts))
+    return tuple(pairwise(accumulate(sizes, initial=0)))

@@ -1,24 +1,6 @@
-"""The neutral spec file (``docs/spec-file.md``): a model spec in TOML or JSON, for engines
-and models without a Hugging Face config. It says everything the Python API can say.
-
-    kvbridge_spec = 1                  # format version (required)
-    name = "tiny-hybrid"
-    dtype = "bfloat16"                 # default dtype of every stream
-    block_size = 16                    # default block size of the default groups
-
-    [[layers]]                         # in order; ``repeat`` copies an entry
-    kind = "full"                      # full | sliding | chunked | mla | state
-    kv_heads = 8                       # shorthand: streams k and v
-    head_dim = 128
-    repeat = 2
-
-    [[layers]]
-    kind = "state"
-    streams = [{ name = "conv_state", rows = 3, segments = [[64, 64], [8, 128], [8, 128]] }]
-
-A segment is ``[units, elements per unit]``, ``{units, elements}`` or ``{units, bytes}``.
-``groups`` is optional (default: one group per needed-range kind).
-"""
+"""The neutral spec file (format: ``docs/spec-file.md``): a model spec in TOML or JSON,
+for engines and models without a Hugging Face config. It says everything the Python API
+can say."""
 
 from __future__ import annotations
 
@@ -41,10 +23,6 @@ _LAYER_KEYS = {"kind", "window", "chunk", "streams", "repeat", "dtype"}
 _KV_KEYS = {"kv_heads", "head_dim", "v_head_dim"}
 _STREAM_KEYS = {"name", "segments", "dtype", "rows", "replicated"}
 _GROUP_KEYS = {"name", "layers", "block_size"}
-
-
-def is_spec_file(data: Mapping[str, Any]) -> bool:
-    return "kvbridge_spec" in data
 
 
 def load_spec_file(path: str | Path, kv_dtype: DType | None = None) -> ModelInfo:
