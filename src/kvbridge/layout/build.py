@@ -25,8 +25,7 @@ from kvbridge.errors import LayoutError
 from kvbridge.layout.view import RankLayout, View
 from kvbridge.registry import Registry
 from kvbridge.spec.model import ModelSpec, Stream
-from kvbridge.spec.parallel import Parallel
-from kvbridge.spec.sharding import shard_interval
+from kvbridge.spec.parallel import Parallel, shard_interval
 
 Groups = list[list[list["Piece"]]]
 """Per group, per layer of this rank, that layer's pieces."""
@@ -130,19 +129,16 @@ def interleave(pieces: list[Piece]) -> list[Piece]:
 
 
 def _per_layer(groups: Groups, nblk: tuple[int, ...], packed: bool) -> Built:
+    if not packed:  # every stream a region of its own
+        groups = [[[p] for pieces in layers for p in pieces] for layers in groups]
     regions: list[int] = []
     views: list[View] = []
     for g, layers in enumerate(groups):
         for pieces in layers:
-            if packed:
-                stride = sum(p.nbytes for p in pieces)
-                for p, off in place(pieces, 0):
-                    views.append(view_of(p, len(regions), off, stride, nblk[g]))
-                regions.append(stride * nblk[g])
-            else:
-                for p in pieces:
-                    views.append(view_of(p, len(regions), 0, p.nbytes, nblk[g]))
-                    regions.append(p.nbytes * nblk[g])
+            stride = sum(p.nbytes for p in pieces)
+            for p, off in place(pieces, 0):
+                views.append(view_of(p, len(regions), off, stride, nblk[g]))
+            regions.append(stride * nblk[g])
     return regions, views, list(range(len(groups)))
 
 

@@ -125,7 +125,5 @@ def kimi_delta(
 
 
 def group_by_kind(name: str, layers: Sequence[Layer], block_size: int = 16) -> ModelSpec:
-    """A spec grouped as a loaded config is (:func:`kvbridge.spec.info.default_groups`):
-    full and MLA layers in ``attn``, ``sliding``, ``chunked`` and ``state`` (one slot per
-    sequence) their own, layers without streams in none."""
+    """A spec grouped as a loaded config is (:func:`kvbridge.spec.info.default_groups`)."""
     return ModelSpec(name, tuple(layers), default_groups(layers, block_size))

@@ -32,13 +32,13 @@ Mixer = tuple[Layer, Sharded]
 @dataclass(frozen=True, slots=True)
 class Arch:
     """How one ``model_type`` stores its cache: global attention as ``kv`` (K and V per
-    head) or ``mla`` (one latent); the state mixer of its linear layers (a key of
-    ``STATE_MIXERS``); the recurrent-state dtype serving engines use when the config names
-    none; whether every layer runs attention and the state mixer side by side
-    (Falcon-H1); class defaults for keys real files omit."""
+    head) or ``mla`` (one latent); the state mixer of its linear layers; the
+    recurrent-state dtype serving engines use when the config names none; whether every
+    layer runs attention and the state mixer side by side (Falcon-H1); class defaults for
+    keys real files omit."""
 
     attention: str = "kv"
-    state: str | None = None
+    state: Callable[[Fields, Dtypes], Mixer] | None = None
     ssm_dtype: DType | None = None
     parallel_hybrid: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -46,35 +46,11 @@ class Arch:
 
 @dataclass(frozen=True, slots=True)
 class Dtypes:
+    """Of K/V and MLA latents, of conv state, of recurrent / SSM state."""
+
     kv: DType
-    """K/V and MLA latents."""
     conv: DType
     ssm: DType
-    """Recurrent / SSM state."""
-
-
-_GEMMA3_TEXT = {
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-}
-_KV_ONLY = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "gpt_oss")
-
-ARCHS: dict[str, Arch] = {
-    **dict.fromkeys(_KV_ONLY, Arch()),
-    **dict.fromkeys(("gemma3", "gemma3_text"), Arch(defaults=_GEMMA3_TEXT)),
-    **dict.fromkeys(("llama4", "llama4_text"), Arch()),
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"), Arch(attention="mla")),
-    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text"), Arch(state="gdn")),
-    "kimi_linear": Arch(attention="mla", state="kda", ssm_dtype=DType.FP32),
-    "jamba": Arch(state="mamba1"),
-    "nemotron_h": Arch(state="mamba2"),
-    "granitemoehybrid": Arch(state="mamba2"),
-    "falcon_h1": Arch(state="mamba2", parallel_hybrid=True),
-}
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -174,7 +150,7 @@ def _mixer(entry: str, f: Fields, dt: Dtypes, arch: Arch) -> Mixer | None:
     if entry == CHUNKED:
         return kv_attention(f, dt, Kind.CHUNKED, chunk=f.req_int("attention_chunk_size"))
     if entry == LINEAR and arch.state is not None:
-        return STATE_MIXERS[arch.state](f, dt)
+        return arch.state(f, dt)
     return None
 
 
@@ -270,9 +246,25 @@ def _spelling(f: Fields, *keys: str) -> str:
     return next((k for k in keys if f.has(k)), keys[0])
 
 
-STATE_MIXERS: dict[str, Callable[[Fields, Dtypes], Mixer]] = {
-    "mamba1": mamba1,
-    "mamba2": mamba2,
-    "gdn": gated_deltanet,
-    "kda": kimi_delta,
+_GEMMA3_TEXT = {
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+}
+_KV_ONLY = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "gpt_oss")
+
+ARCHS: dict[str, Arch] = {
+    **dict.fromkeys(_KV_ONLY, Arch()),
+    **dict.fromkeys(("gemma3", "gemma3_text"), Arch(defaults=_GEMMA3_TEXT)),
+    **dict.fromkeys(("llama4", "llama4_text"), Arch()),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"), Arch(attention="mla")),
+    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text"), Arch(state=gated_deltanet)),
+    "kimi_linear": Arch(attention="mla", state=kimi_delta, ssm_dtype=DType.FP32),
+    "jamba": Arch(state=mamba1),
+    "nemotron_h": Arch(state=mamba2),
+    "granitemoehybrid": Arch(state=mamba2),
+    "falcon_h1": Arch(state=mamba2, parallel_hybrid=True),
 }

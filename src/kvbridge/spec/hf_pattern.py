@@ -93,13 +93,16 @@ def _index_lists(f: Fields, n: int) -> list[str]:
     return [e for e in out if e is not None]
 
 
+def _flags(f: Fields, key: str) -> list[int]:
+    flags = f.int_list(key)
+    for i, v in enumerate(flags):
+        if v not in (0, 1):
+            raise ConfigError(f"{f.path(key)}[{i}]: expected 0 or 1, got {v}")
+    return flags
+
+
 def _attn_type_list(f: Fields, n: int) -> list[str]:
-    out = []
-    for i, t in enumerate(f.int_list("attn_type_list")):
-        if t not in (0, 1):
-            raise ConfigError(f"{f.path('attn_type_list')}[{i}]: expected 0 or 1, got {t}")
-        out.append(FULL if t == 1 else LINEAR)
-    return out
+    return [FULL if t == 1 else LINEAR for t in _flags(f, "attn_type_list")]
 
 
 def _interval(f: Fields, n: int) -> list[str]:
@@ -121,10 +124,7 @@ def _period_offset(f: Fields, n: int) -> list[str]:
 def _chunked(f: Fields, n: int) -> list[str]:
     """Llama-4: ``no_rope_layers[i] == 1`` (RoPE) layers use chunked local attention."""
     if f.has("no_rope_layers"):
-        flags = f.int_list("no_rope_layers")
-        for i, v in enumerate(flags):
-            if v not in (0, 1):
-                raise ConfigError(f"{f.path('no_rope_layers')}[{i}]: expected 0 or 1, got {v}")
+        flags = _flags(f, "no_rope_layers")
     else:
         k = f.opt_int("no_rope_layer_interval") or 4
         flags = [int((i + 1) % k != 0) for i in range(n)]

@@ -95,9 +95,8 @@ def _layer(f: Fields, index: int, dtype: DType, kv_dtype: DType | None) -> Layer
             f"{f.path('streams')}: give either streams or a shorthand "
             f"(kv_heads/head_dim, latent_width), not {'both' if shorthand else 'neither'}"
         )
-    tok_dtype = kv_dtype or dtype
     if shorthand:
-        return _shorthand(f, index, kind, tok_dtype, window, chunk)
+        return _shorthand(f, index, kind, kv_dtype or dtype, window, chunk)
     streams = tuple(
         _stream(s, f"{f.path('streams')}[{i}].", kind, dtype, kv_dtype)
         for i, s in enumerate(f.items("streams"))
@@ -125,11 +124,10 @@ def _stream(data: Any, prefix: str, kind: Kind, dtype: DType, kv_dtype: DType | 
     f = _fields(data, prefix, _STREAM_KEYS)
     rows = f.opt_int("rows", minimum=0) or 0
     dt = f.dtype("dtype") or dtype
-    per_token = kind is not Kind.STATE
-    if kv_dtype is not None and per_token:
-        dt = kv_dtype
+    rescaled = kind is not Kind.STATE and kv_dtype is not None
+    dt = kv_dtype if rescaled and kv_dtype else dt
     segs = tuple(
-        _segment(s, f"{f.path('segments')}[{i}]", dt, kv_dtype is not None and per_token)
+        _segment(s, f"{f.path('segments')}[{i}]", dt, rescaled)
         for i, s in enumerate(f.items("segments"))
     )
     replicated = f.flag("replicated", False)
