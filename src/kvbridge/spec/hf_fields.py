@@ -1,9 +1,4 @@
-"""Typed reading of a Hugging Face ``config.json`` section; every error names its field.
-
-A section is the dict the KV fields live in (the top level, or ``text_config`` of a
-multimodal checkpoint). Keys the file omits may take the architecture's class defaults;
-which ones were used is recorded in :attr:`Fields.applied`.
-"""
+"""Typed reading of a ``config.json`` section (or spec file); every error names its field."""
 
 from __future__ import annotations
 
@@ -17,9 +12,11 @@ from kvbridge.spec.dtypes import DType, parse_dtype
 
 @dataclass(slots=True)
 class Fields:
-    """Read-only access to one config section with field paths in the errors.
+    """Read-only access to one config section (the top level, or ``text_config`` of a
+    multimodal checkpoint) with field paths in the errors.
 
-    ``prefix`` is the section's path (``"text_config."``); ``outer`` the enclosing section,
+    ``prefix`` is the section's path (``"text_config."``); ``defaults`` the architecture's
+    class defaults for keys the file omits; ``outer`` the enclosing section,
     consulted for keys the section lacks when reading dtypes (``torch_dtype`` sits at the
     top of multimodal files); ``applied``: the class defaults used, shared with ``outer``.
     """
