@@ -31,7 +31,7 @@ def encode(layer: int, stream: int, token: int, unit: int, nbytes: int) -> np.nd
 
 def held_units(units: int, tp: int, rank: int, replicated: bool) -> list[int]:
     """The global units TP ``rank`` holds, by the rule of
-    :func:`kvbridge.spec.sharding.shard_interval` (written out again, one unit at a time)."""
+    :func:`kvbridge.spec.parallel.shard_interval` (written out again, one unit at a time)."""
     if replicated:
         return list(range(units))
     if units >= tp:

@@ -22,8 +22,7 @@ from kvbridge.api import (
     transport_names,
 )
 from kvbridge.cli import args as cli_args
-from kvbridge.layout import LayoutKind
-from kvbridge.layout.pieces import Built, Groups, place, view_of
+from kvbridge.layout.build import Built, Groups, LayoutKind, place, view_of
 from tests.support.scenario import Side, run_scenario
 
 

@@ -12,8 +12,7 @@ from kvbridge import catalog
 from kvbridge.errors import KVBridgeError
 from kvbridge.spec.load import load_model
 from kvbridge.spec.model import ModelSpec
-from kvbridge.spec.parallel import Parallel
-from kvbridge.spec.sharding import shard_interval
+from kvbridge.spec.parallel import Parallel, shard_interval
 from kvbridge.topology.sources import layers_of_rank, sources
 
 PAIRS = [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((3, 1), (2, 1)), ((1, 1), (4, 1)), ((2, 2), (4, 1))]

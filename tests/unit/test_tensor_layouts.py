@@ -13,8 +13,7 @@ from kvbridge.layout.view import RankLayout, View
 from kvbridge.spec.build import attention
 from kvbridge.spec.dtypes import DType
 from kvbridge.spec.model import Group, Kind, ModelSpec
-from kvbridge.spec.parallel import Parallel
-from kvbridge.spec.sharding import shard_interval
+from kvbridge.spec.parallel import Parallel, shard_interval
 from tests.support.scenario import Side, run_scenario
 
 HEADS, HD = 4, 8

@@ -111,7 +111,7 @@ def side(text: str) -> SideSpec:
 
 def _side_value(key: str, value: str) -> int | str:
     if key == "layout":
-        from kvbridge.layout.registry import layout_names  # no numpy
+        from kvbridge.layout.build import layout_names  # no numpy
 
         if value not in layout_names():
             raise argparse.ArgumentTypeError(

@@ -1,9 +1,14 @@
 """Layout: where a rank keeps its bytes (map: ``docs/structure.md``).
 
-Add a layout with :func:`register_layout` (``layout/registry.py``)."""
+Add a layout with :func:`register_layout` (``layout/build.py``)."""
 
-from kvbridge.layout.build import build_layout
-from kvbridge.layout.registry import LayoutKind, get_layout, layout_names, register_layout
+from kvbridge.layout.build import (
+    LayoutKind,
+    build_layout,
+    get_layout,
+    layout_names,
+    register_layout,
+)
 from kvbridge.layout.side import SideConfig
 from kvbridge.layout.view import RankLayout, View
 

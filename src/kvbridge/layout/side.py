@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout.build import build_layout
-from kvbridge.layout.registry import get_layout
+from kvbridge.layout.build import build_layout, get_layout
 from kvbridge.layout.view import RankLayout
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel

@@ -16,8 +16,7 @@ from kvbridge.spec.hf import from_hf_config
 from kvbridge.spec.info import ModelInfo
 from kvbridge.spec.load import load_model
 from kvbridge.spec.model import Group, Kind, Layer, ModelSpec, Segment, Stream
-from kvbridge.spec.parallel import Parallel
-from kvbridge.spec.sharding import shard_interval
+from kvbridge.spec.parallel import Parallel, shard_interval
 
 __all__ = [
     "DType",

@@ -1,5 +1,5 @@
 """Builders of layers, one per cache kind, in the words engines use. The ``config.json``
-readers (:mod:`kvbridge.spec.hf_mixers`) call these too, so a spec built by hand and one
+readers (:mod:`kvbridge.spec.hf`) call these too, so a spec built by hand and one
 loaded from the model's config have the same streams and the same compat hash."""
 
 from __future__ import annotations
@@ -125,7 +125,5 @@ def kimi_delta(
 
 
 def group_by_kind(name: str, layers: Sequence[Layer], block_size: int = 16) -> ModelSpec:
-    """A spec grouped as a loaded config is (:func:`kvbridge.spec.info.default_groups`):
-    full and MLA layers in ``attn``, ``sliding``, ``chunked`` and ``state`` (one slot per
-    sequence) their own, layers without streams in none."""
+    """A spec grouped as a loaded config is (:func:`kvbridge.spec.info.default_groups`)."""
     return ModelSpec(name, tuple(layers), default_groups(layers, block_size))

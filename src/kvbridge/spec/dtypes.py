@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from string import ascii_lowercase
 
 from kvbridge.errors import SpecError
 
@@ -19,19 +20,11 @@ class DType(enum.StrEnum):
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element: the bit width in its name (``bfloat16``: 16, ``fp8_e4m3``: 8) / 8."""
         return _ITEMSIZE[self]
 
 
-_ITEMSIZE = {
-    DType.BF16: 2,
-    DType.FP16: 2,
-    DType.FP32: 4,
-    DType.FP64: 8,
-    DType.FP8_E4M3: 1,
-    DType.FP8_E5M2: 1,
-    DType.INT8: 1,
-    DType.UINT8: 1,
-}
+_ITEMSIZE = {d: int(d.split("_")[0].lstrip(ascii_lowercase)) // 8 for d in DType}
 
 _ALIASES = {
     "bf16": DType.BF16,

@@ -1,87 +1,56 @@
-"""Model spec from a Hugging Face ``config.json``.
+"""Model spec from a Hugging Face ``config.json`` (``docs/spec-file.md``).
 
-Two steps, each read generally rather than per checkpoint:
-
-1. the **layer pattern**: what each model layer caches, from whichever format the file
-   uses (``layer_types`` lists, ``hybrid_override_pattern`` strings, 1-indexed layer
-   lists, ``attn_type_list``, intervals, period/offset, ``no_rope_layers`` for chunked
-   attention, a sliding-window pattern, or one kind for all layers);
-2. the **mixers**: the per-layer cache of each pattern entry (K/V attention, MLA latent,
-   Mamba-1/2, Gated DeltaNet, Kimi Delta Attention state) from the architecture's fields.
-
-Multimodal files keep the language model in ``text_config``; keys a file omits may take
-the architecture's class defaults (Gemma-3), recorded in ``ModelInfo.defaults_applied``.
+Two steps, each read generally rather than per checkpoint: the layer pattern
+(:mod:`kvbridge.spec.hf_pattern`: what each model layer caches), then the mixers (the
+per-layer cache of each pattern entry, from the architecture's fields, built with
+:mod:`kvbridge.spec.build` so a spec loaded here and one built by hand hash alike).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.spec import build
 from kvbridge.spec.dtypes import DType
 from kvbridge.spec.hf_fields import Fields
-from kvbridge.spec.hf_mixers import STATE_MIXERS, Dtypes, Mixer, kv_attention, mla_latent
 from kvbridge.spec.hf_pattern import BOTH, CHUNKED, FULL, LINEAR, NONE, SLIDING, layer_pattern
 from kvbridge.spec.info import ModelInfo, default_groups
 from kvbridge.spec.model import Kind, Layer, ModelSpec
 
+Sharded = tuple[tuple[str, int], ...]
+"""``(config field, units)`` pairs whose units are split over TP."""
+
+Mixer = tuple[Layer, Sharded]
+"""The cache of one model layer (a spec layer at index 0) and the fields it splits."""
+
 
 @dataclass(frozen=True, slots=True)
 class Arch:
-    """How one ``model_type`` stores its cache."""
+    """How one ``model_type`` stores its cache: global attention as ``kv`` (K and V per
+    head) or ``mla`` (one latent); the state mixer of its linear layers; the
+    recurrent-state dtype serving engines use when the config names none; whether every
+    layer runs attention and the state mixer side by side (Falcon-H1); class defaults for
+    keys real files omit."""
 
     attention: str = "kv"
-    """Global attention layers: ``kv`` (K and V per head) or ``mla`` (one latent)."""
-    state: str | None = None
-    """State mixer of linear layers (a key of ``STATE_MIXERS``), if the model has any."""
+    state: Callable[[Fields, Dtypes], Mixer] | None = None
     ssm_dtype: DType | None = None
-    """Recurrent-state dtype serving engines use when the config names none."""
     parallel_hybrid: bool = False
-    """Every layer runs attention and the state mixer side by side (Falcon-H1)."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
-    """Class defaults for keys real files omit."""
 
 
-_GEMMA3_TEXT = {
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-}
-_MLA = Arch(attention="mla")
-_GDN = Arch(state="gdn")
+@dataclass(frozen=True, slots=True)
+class Dtypes:
+    """Of K/V and MLA latents, of conv state, of recurrent / SSM state."""
 
-ARCHS: dict[str, Arch] = {
-    "llama": Arch(),
-    "mistral": Arch(),
-    "mixtral": Arch(),
-    "qwen2": Arch(),
-    "qwen3": Arch(),
-    "qwen3_moe": Arch(),
-    "minimax_m2": Arch(),
-    "gpt_oss": Arch(),
-    "gemma3": Arch(defaults=_GEMMA3_TEXT),
-    "gemma3_text": Arch(defaults=_GEMMA3_TEXT),
-    "llama4": Arch(),
-    "llama4_text": Arch(),
-    "deepseek_v2": _MLA,
-    "deepseek_v3": _MLA,
-    "kimi_k2": _MLA,
-    "qwen3_next": _GDN,
-    "qwen3_5": _GDN,
-    "qwen3_5_text": _GDN,
-    "kimi_linear": Arch(attention="mla", state="kda", ssm_dtype=DType.FP32),
-    "jamba": Arch(state="mamba1"),
-    "nemotron_h": Arch(state="mamba2"),
-    "granitemoehybrid": Arch(state="mamba2"),
-    "falcon_h1": Arch(state="mamba2", parallel_hybrid=True),
-}
+    kv: DType
+    conv: DType
+    ssm: DType
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -115,33 +84,34 @@ def from_hf_config(
     model dtype). Raises :class:`ConfigError` naming the offending field.
     """
     model_type, arch, f = _section(config)
-    n = f.req_int("num_hidden_layers")
-    pattern = layer_pattern(f, n, arch.parallel_hybrid)
-    mixers = _Mixers(f, _dtypes(f, arch, kv_dtype, ssm_dtype), arch, model_type, pattern.source)
+    pattern = layer_pattern(f, f.req_int("num_hidden_layers"), arch.parallel_hybrid)
+    model = f.dtype("torch_dtype", "dtype") or DType.BF16
+    named = f.dtype("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
+    dt = Dtypes(kv_dtype or model, model, ssm_dtype or named or arch.ssm_dtype or model)
+    mixers: dict[str, Mixer] = {}  # built on first use: kinds a model lacks need no fields
     layers: list[Layer] = []
     model_layers: list[int] = []
     for i, entry in enumerate(pattern.entries):
-        for mixer in mixers.of(entry, i):
-            layers.append(mixer.make(len(layers)) if mixer else Layer(len(layers), Kind.FULL, ()))
+        for part in (FULL, LINEAR) if entry == BOTH else (entry,):
+            if part not in mixers:
+                mixer = _mixer(part, f, dt, arch)
+                if mixer is None:
+                    raise ConfigError(
+                        f"{pattern.source}: layer {i} is a {part} layer, which model_type "
+                        f"{model_type!r} does not have"
+                    )
+                mixers[part] = mixer
+            layers.append(replace(mixers[part][0], index=len(layers)))
             model_layers.append(i)
     spec = ModelSpec(
         name or str(config.get("_name_or_path") or model_type),
         tuple(layers),
         default_groups(layers, block_size),
     )
+    sharded = tuple(dict.fromkeys(s for _, fields in mixers.values() for s in fields))
     return ModelInfo(
-        spec,
-        f"config.json ({model_type})",
-        tuple(model_layers),
-        mixers.sharded(),
-        dict(f.applied),
+        spec, f"config.json ({model_type})", tuple(model_layers), sharded, dict(f.applied)
     )
-
-
-def _dtypes(f: Fields, arch: Arch, kv: DType | None, ssm: DType | None) -> Dtypes:
-    model = f.dtype("torch_dtype", "dtype") or DType.BF16
-    named = f.dtype("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
-    return Dtypes(kv=kv or model, conv=model, ssm=ssm or named or arch.ssm_dtype or model)
 
 
 def _section(config: Mapping[str, Any]) -> tuple[str, Arch, Fields]:
@@ -167,43 +137,134 @@ def _arch(model_type: str) -> Arch:
         ) from None
 
 
-class _Mixers:
-    """Builds each entry's mixers once, on first use (unused kinds need no fields)."""
+def _mixer(entry: str, f: Fields, dt: Dtypes, arch: Arch) -> Mixer | None:
+    """The mixer of a pattern entry; ``None`` if the architecture has none."""
+    if entry == NONE:
+        return Layer(0, Kind.FULL, ()), ()
+    if entry == FULL:
+        if arch.attention == "mla":
+            return mla_latent(f, dt)
+        return kv_attention(f, dt, Kind.FULL)
+    if entry == SLIDING:
+        return kv_attention(f, dt, Kind.SLIDING, window=f.req_int("sliding_window"))
+    if entry == CHUNKED:
+        return kv_attention(f, dt, Kind.CHUNKED, chunk=f.req_int("attention_chunk_size"))
+    if entry == LINEAR and arch.state is not None:
+        return arch.state(f, dt)
+    return None
 
-    def __init__(self, f: Fields, dt: Dtypes, arch: Arch, model_type: str, source: str) -> None:
-        self._f, self._dt, self._arch = f, dt, arch
-        self._model_type, self._source = model_type, source
-        self._built: dict[str, Mixer] = {}
 
-    def of(self, entry: str, layer: int) -> list[Mixer | None]:
-        """Mixers of one model layer, in spec order; ``None`` for a layer without cache."""
-        if entry == NONE:
-            return [None]
-        if entry == BOTH:
-            return [self._get(FULL, layer), self._get(LINEAR, layer)]
-        return [self._get(entry, layer)]
-
-    def sharded(self) -> tuple[tuple[str, int], ...]:
-        return tuple(dict.fromkeys(s for m in self._built.values() for s in m.sharded))
-
-    def _get(self, entry: str, layer: int) -> Mixer:
-        if entry not in self._built:
-            self._built[entry] = self._build(entry, layer)
-        return self._built[entry]
-
-    def _build(self, entry: str, layer: int) -> Mixer:
-        f, dt = self._f, self._dt
-        if entry == FULL:
-            if self._arch.attention == "mla":
-                return mla_latent(f, dt)
-            return kv_attention(f, dt, Kind.FULL)
-        if entry == SLIDING:
-            return kv_attention(f, dt, Kind.SLIDING, window=f.req_int("sliding_window"))
-        if entry == CHUNKED:
-            return kv_attention(f, dt, Kind.CHUNKED, chunk=f.req_int("attention_chunk_size"))
-        if entry == LINEAR and self._arch.state is not None:
-            return STATE_MIXERS[self._arch.state](f, dt)
+def kv_attention(f: Fields, dt: Dtypes, kind: Kind, window: int = 0, chunk: int = 0) -> Mixer:
+    """K and V of ``num_key_value_heads`` heads of ``head_dim`` (or hidden/heads)."""
+    heads = f.req_int("num_attention_heads")
+    kv_heads = f.opt_int("num_key_value_heads") or heads
+    if heads % kv_heads:
         raise ConfigError(
-            f"{self._source}: layer {layer} is a {entry} layer, which model_type "
-            f"{self._model_type!r} does not have"
+            f"{f.path('num_attention_heads')}={heads} is not a multiple of "
+            f"{f.path('num_key_value_heads')}={kv_heads}"
         )
+    head_dim = f.opt_int("head_dim")
+    if head_dim is None:
+        hidden = f.req_int("hidden_size")
+        if hidden % heads:
+            raise ConfigError(
+                f"{f.path('head_dim')}: missing, and {f.path('hidden_size')}={hidden} is not "
+                f"a multiple of {f.path('num_attention_heads')}={heads}"
+            )
+        head_dim = hidden // heads
+    layer = build.attention(0, kv_heads, head_dim, dt.kv, kind, window=window, chunk=chunk)
+    return layer, ((f.path("num_key_value_heads"), kv_heads),)
+
+
+def mla_latent(f: Fields, dt: Dtypes) -> Mixer:
+    """One latent of ``kv_lora_rank + qk_rope_head_dim`` per token, replicated over TP."""
+    width = f.req_int("kv_lora_rank") + f.req_int("qk_rope_head_dim")
+    return build.mla(0, width, dt.kv), ()
+
+
+def mamba2(f: Fields, dt: Dtypes) -> Mixer:
+    heads_key = _spelling(f, "mamba_num_heads", "mamba_n_heads")
+    heads = f.req_int(heads_key)
+    head_dim = f.first_int("mamba_head_dim", "mamba_d_head")
+    groups_key = _spelling(f, "n_groups", "mamba_n_groups")
+    groups = f.req_int(groups_key)
+    d_state = f.first_int("ssm_state_size", "mamba_d_state", "state_size")
+    d_conv = f.first_int("conv_kernel", "mamba_d_conv")
+    d_ssm = f.opt_int("mamba_d_ssm")
+    if d_ssm is not None and d_ssm != heads * head_dim:
+        raise ConfigError(
+            f"{f.path('mamba_d_ssm')}={d_ssm} != {f.path(heads_key)} × head dim "
+            f"= {heads} × {head_dim}"
+        )
+    if heads % groups:
+        raise ConfigError(
+            f"{f.path(heads_key)}={heads} is not a multiple of {f.path(groups_key)}={groups}"
+        )
+    layer = build.mamba2(0, heads, head_dim, groups, d_state, d_conv, dt.conv, dt.ssm)
+    return layer, ((f.path(heads_key), heads), (f.path(groups_key), groups))
+
+
+def mamba1(f: Fields, dt: Dtypes) -> Mixer:
+    d_inner = f.req_int("mamba_expand") * f.req_int("hidden_size")
+    layer = build.mamba1(
+        0, d_inner, f.req_int("mamba_d_state"), f.req_int("mamba_d_conv"), dt.conv, dt.ssm
+    )
+    return layer, ((f"{f.path('mamba_expand')} × {f.path('hidden_size')}", d_inner),)
+
+
+def gated_deltanet(f: Fields, dt: Dtypes) -> Mixer:
+    kernel = f.req_int("linear_conv_kernel_dim")
+    k_heads = f.req_int("linear_num_key_heads")
+    k_dim = f.req_int("linear_key_head_dim")
+    v_heads = f.req_int("linear_num_value_heads")
+    v_dim = f.req_int("linear_value_head_dim")
+    if v_heads % k_heads:
+        raise ConfigError(
+            f"{f.path('linear_num_value_heads')}={v_heads} is not a multiple of "
+            f"{f.path('linear_num_key_heads')}={k_heads}"
+        )
+    layer = build.gated_deltanet(0, k_heads, k_dim, v_heads, v_dim, kernel, dt.conv, dt.ssm)
+    sharded = (
+        (f.path("linear_num_key_heads"), k_heads),
+        (f.path("linear_num_value_heads"), v_heads),
+    )
+    return layer, sharded
+
+
+def kimi_delta(f: Fields, dt: Dtypes) -> Mixer:
+    """Kimi Delta Attention: short convs of q, k, v and a ``[heads, d, d]`` state."""
+    lin = f.section("linear_attn_config")
+    heads = lin.req_int("num_heads")
+    head_dim = lin.req_int("head_dim")
+    kernel = lin.req_int("short_conv_kernel_size")
+    layer = build.kimi_delta(0, heads, head_dim, kernel, dt.conv, dt.ssm)
+    return layer, ((lin.path("num_heads"), heads),)
+
+
+def _spelling(f: Fields, *keys: str) -> str:
+    """The key a file uses for a field spelled several ways (the first if none)."""
+    return next((k for k in keys if f.has(k)), keys[0])
+
+
+_GEMMA3_TEXT = {
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+}
+_KV_ONLY = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "minimax_m2", "gpt_oss")
+
+ARCHS: dict[str, Arch] = {
+    **dict.fromkeys(_KV_ONLY, Arch()),
+    **dict.fromkeys(("gemma3", "gemma3_text"), Arch(defaults=_GEMMA3_TEXT)),
+    **dict.fromkeys(("llama4", "llama4_text"), Arch()),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"), Arch(attention="mla")),
+    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text"), Arch(state=gated_deltanet)),
+    "kimi_linear": Arch(attention="mla", state=kimi_delta, ssm_dtype=DType.FP32),
+    "jamba": Arch(state=mamba1),
+    "nemotron_h": Arch(state=mamba2),
+    "granitemoehybrid": Arch(state=mamba2),
+    "falcon_h1": Arch(state=mamba2, parallel_hybrid=True),
+}

@@ -1,48 +1,43 @@
-"""Typed reading of a Hugging Face ``config.json`` section; every error names its field.
-
-A section is the dict the KV fields live in (the top level, or ``text_config`` of a
-multimodal checkpoint). Keys the file omits may take the architecture's class defaults;
-which ones were used is recorded in :attr:`Fields.applied`.
-"""
+"""Typed reading of a ``config.json`` section (or spec file); every error names its field."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.errors import ConfigError, SpecError
 from kvbridge.spec.dtypes import DType, parse_dtype
 
 
+@dataclass(slots=True)
 class Fields:
-    """Read-only access to one config section with field paths in the errors.
+    """Read-only access to one config section (the top level, or ``text_config`` of a
+    multimodal checkpoint) with field paths in the errors.
 
-    ``prefix`` is the section's path (``"text_config."``); ``outer`` the enclosing section,
+    ``prefix`` is the section's path (``"text_config."``); ``defaults`` the architecture's
+    class defaults for keys the file omits; ``outer`` the enclosing section,
     consulted for keys the section lacks when reading dtypes (``torch_dtype`` sits at the
-    top of multimodal files).
+    top of multimodal files); ``applied``: the class defaults used, shared with ``outer``.
     """
 
-    def __init__(
-        self,
-        data: Mapping[str, Any],
-        prefix: str = "",
-        defaults: Mapping[str, Any] | None = None,
-        outer: Fields | None = None,
-    ) -> None:
-        self._data = data
-        self.prefix = prefix
-        self._defaults = dict(defaults or {})
-        self._outer = outer
-        self.applied: dict[str, Any] = {} if outer is None else outer.applied
+    data: Mapping[str, Any]
+    prefix: str = ""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    outer: Fields | None = None
+    applied: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.applied = {} if self.outer is None else self.outer.applied
 
     def path(self, key: str) -> str:
         return f"{self.prefix}{key}"
 
     def get(self, key: str) -> Any:
         """The value of ``key``; ``None`` when absent or null and without a class default."""
-        value = self._data.get(key)
-        if value is None and key in self._defaults:
-            value = self._defaults[key]
+        value = self.data.get(key)
+        if value is None and key in self.defaults:
+            value = self.defaults[key]
             self.applied[self.path(key)] = value
         return value
 
@@ -105,7 +100,7 @@ class Fields:
                     return parse_dtype(str(value))
                 except SpecError as e:
                     raise ConfigError(f"{self.path(key)}: {e}") from None
-        return self._outer.dtype(*keys) if self._outer is not None else None
+        return self.outer.dtype(*keys) if self.outer is not None else None
 
     def _check_int(self, key: str, value: Any, minimum: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int):

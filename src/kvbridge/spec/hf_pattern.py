@@ -1,22 +1,10 @@
-"""What each model layer caches, from the formats Hugging Face configs use.
+"""What each model layer caches, from the formats Hugging Face configs use: the first
+present wins, in the order of ``_READERS`` (the formats: ``docs/spec-file.md``).
 
 Entries: ``full`` (global attention: K/V or MLA, by architecture), ``sliding``,
 ``chunked``, ``linear`` (a state mixer: Mamba, DeltaNet…), ``both`` (attention and a
-state mixer in one layer) and ``none`` (a block that caches nothing). The first format
-present wins, in this order:
-
-    layer_types               ["sliding_attention", "full_attention", "mamba", ...]
-    hybrid_override_pattern   "MEM*EM-"  (M Mamba, * attention, - MLP, E MoE)
-    linear_attn_config        full_attn_layers / kda_layers, 1-indexed
-    attn_type_list            [1, 1, 0, ...]  (1 softmax attention, 0 linear attention)
-    full_attention_interval   layer i is full iff (i+1) % k == 0, else linear
-    attn_layer_period/offset  layer i is attention iff i % period == offset, else linear
-    attention_chunk_size      no_rope_layers[i] == 1 → chunked, 0 → full
-    sliding_window_pattern    layer i is full iff (i+1) % p == 0, else sliding
-    sliding_window            every layer i ≥ max_window_layers sliding (if use_sliding_window)
-
-Parallel hybrids (Falcon-H1) run a state mixer in every layer, attention too in
-``attn_layer_indices`` (all layers when null).
+state mixer in one layer: Falcon-H1, in ``attn_layer_indices`` or every layer) and
+``none`` (a block that caches nothing).
 """
 
 from __future__ import annotations
@@ -105,13 +93,16 @@ def _index_lists(f: Fields, n: int) -> list[str]:
     return [e for e in out if e is not None]
 
 
+def _flags(f: Fields, key: str) -> list[int]:
+    flags = f.int_list(key)
+    for i, v in enumerate(flags):
+        if v not in (0, 1):
+            raise ConfigError(f"{f.path(key)}[{i}]: expected 0 or 1, got {v}")
+    return flags
+
+
 def _attn_type_list(f: Fields, n: int) -> list[str]:
-    out = []
-    for i, t in enumerate(f.int_list("attn_type_list")):
-        if t not in (0, 1):
-            raise ConfigError(f"{f.path('attn_type_list')}[{i}]: expected 0 or 1, got {t}")
-        out.append(FULL if t == 1 else LINEAR)
-    return out
+    return [FULL if t == 1 else LINEAR for t in _flags(f, "attn_type_list")]
 
 
 def _interval(f: Fields, n: int) -> list[str]:
@@ -133,10 +124,7 @@ def _period_offset(f: Fields, n: int) -> list[str]:
 def _chunked(f: Fields, n: int) -> list[str]:
     """Llama-4: ``no_rope_layers[i] == 1`` (RoPE) layers use chunked local attention."""
     if f.has("no_rope_layers"):
-        flags = f.int_list("no_rope_layers")
-        for i, v in enumerate(flags):
-            if v not in (0, 1):
-                raise ConfigError(f"{f.path('no_rope_layers')}[{i}]: expected 0 or 1, got {v}")
+        flags = _flags(f, "no_rope_layers")
     else:
         k = f.opt_int("no_rope_layer_interval") or 4
         flags = [int((i + 1) % k != 0) for i in range(n)]

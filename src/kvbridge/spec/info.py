@@ -4,6 +4,7 @@ class defaults that filled gaps), and the default grouping they share."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError, SpecError
 from kvbridge.spec.model import Group, Kind, Layer, ModelSpec
+from kvbridge.spec.parallel import split_evenly
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,8 @@ class ModelInfo:
         n = self.num_model_layers
         if not 1 <= pp <= n:
             raise SpecError(f"pp={pp} must be between 1 and the {n} model layers")
-        base, extra = divmod(n, pp)
-        bounds = [0]
-        for s in range(pp):
-            bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-        starts = [self._first_spec_layer(m) for m in bounds]
-        return tuple(pairwise(starts))
+        ml = self.model_layers
+        return tuple((bisect_left(ml, a), bisect_left(ml, b)) for a, b in split_evenly(n, pp))
 
     def model_layers_of(self, kind: Kind) -> list[int]:
         """Model layers holding a cache of ``kind`` (layers without streams hold none)."""
@@ -73,12 +71,6 @@ class ModelInfo:
             m for lay, m in zip(self.spec.layers, self.model_layers, strict=True) if lay.streams
         }
         return [m for m in range(self.num_model_layers) if m not in cached]
-
-    def _first_spec_layer(self, model_layer: int) -> int:
-        for i, m in enumerate(self.model_layers):
-            if m >= model_layer:
-                return i
-        return len(self.model_layers)
 
 
 _GROUP_OF_KIND = {

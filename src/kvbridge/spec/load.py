@@ -11,7 +11,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.spec.dtypes import DType
 from kvbridge.spec.hf import from_hf_config, load_config
 from kvbridge.spec.info import ModelInfo
-from kvbridge.spec.specfile import is_spec_file, load_spec_file, spec_from_dict
+from kvbridge.spec.specfile import load_spec_file, spec_from_dict
 
 
 def load_model(
@@ -24,13 +24,11 @@ def load_model(
         if not (p / "config.json").is_file():
             raise ConfigError(f"{p}: directory has no config.json")
         p = p / "config.json"
-    if p.suffix == ".toml":
-        _no_ssm_override(ssm_dtype)
-        return load_spec_file(p, kv_dtype)
-    data = load_config(p)
-    if is_spec_file(data):
-        _no_ssm_override(ssm_dtype)
-        return spec_from_dict(data, kv_dtype)
+    data = None if p.suffix == ".toml" else load_config(p)
+    if data is None or "kvbridge_spec" in data:  # a spec file
+        if ssm_dtype is not None:
+            raise ConfigError("--ssm-dtype: a spec file names the dtype of each state stream")
+        return load_spec_file(p, kv_dtype) if data is None else spec_from_dict(data, kv_dtype)
     name = p.resolve().parent.name if p.name == "config.json" else p.stem
     return from_hf_config(data, name, kv_dtype, ssm_dtype)
 
@@ -40,8 +38,3 @@ def _resolve(p: Path) -> Path:
     if p.exists() or len(p.parts) != 1 or p.name.endswith((".json", ".toml")):
         return p
     return catalog.config_path(p.name)
-
-
-def _no_ssm_override(ssm_dtype: DType | None) -> None:
-    if ssm_dtype is not None:
-        raise ConfigError("--ssm-dtype: a spec file names the dtype of each state stream")

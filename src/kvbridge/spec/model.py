@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from kvbridge.errors import SpecError
 from kvbridge.spec.dtypes import DType
+from kvbridge.spec.parallel import shard_interval
 
 
 class Kind(enum.StrEnum):
@@ -112,9 +113,6 @@ class ModelSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_group_of", _check_spec(self))
 
-    def layer(self, index: int) -> Layer:
-        return self.layers[index]
-
     def group_of(self, layer: int) -> int:
         """Index of the group holding ``layer``."""
         return self._group_of[layer]
@@ -147,8 +145,6 @@ class ModelSpec:
 
     def check_tp(self, tp: int) -> None:
         """Raise :class:`SpecError` if some stream cannot be sharded over ``tp``."""
-        from kvbridge.spec.sharding import shard_interval
-
         for lay in self.layers:
             for s in lay.streams:
                 for seg_i, seg in enumerate(s.segments):

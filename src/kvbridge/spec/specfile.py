@@ -1,24 +1,6 @@
-"""The neutral spec file (``docs/spec-file.md``): a model spec in TOML or JSON, for engines
-and models without a Hugging Face config. It says everything the Python API can say.
-
-    kvbridge_spec = 1                  # format version (required)
-    name = "tiny-hybrid"
-    dtype = "bfloat16"                 # default dtype of every stream
-    block_size = 16                    # default block size of the default groups
-
-    [[layers]]                         # in order; ``repeat`` copies an entry
-    kind = "full"                      # full | sliding | chunked | mla | state
-    kv_heads = 8                       # shorthand: streams k and v
-    head_dim = 128
-    repeat = 2
-
-    [[layers]]
-    kind = "state"
-    streams = [{ name = "conv_state", rows = 3, segments = [[64, 64], [8, 128], [8, 128]] }]
-
-A segment is ``[units, elements per unit]``, ``{units, elements}`` or ``{units, bytes}``.
-``groups`` is optional (default: one group per needed-range kind).
-"""
+"""The neutral spec file (format: ``docs/spec-file.md``): a model spec in TOML or JSON,
+for engines and models without a Hugging Face config. It says everything the Python API
+can say."""
 
 from __future__ import annotations
 
@@ -41,10 +23,6 @@ _LAYER_KEYS = {"kind", "window", "chunk", "streams", "repeat", "dtype"}
 _KV_KEYS = {"kv_heads", "head_dim", "v_head_dim"}
 _STREAM_KEYS = {"name", "segments", "dtype", "rows", "replicated"}
 _GROUP_KEYS = {"name", "layers", "block_size"}
-
-
-def is_spec_file(data: Mapping[str, Any]) -> bool:
-    return "kvbridge_spec" in data
 
 
 def load_spec_file(path: str | Path, kv_dtype: DType | None = None) -> ModelInfo:
@@ -117,9 +95,8 @@ def _layer(f: Fields, index: int, dtype: DType, kv_dtype: DType | None) -> Layer
             f"{f.path('streams')}: give either streams or a shorthand "
             f"(kv_heads/head_dim, latent_width), not {'both' if shorthand else 'neither'}"
         )
-    tok_dtype = kv_dtype or dtype
     if shorthand:
-        return _shorthand(f, index, kind, tok_dtype, window, chunk)
+        return _shorthand(f, index, kind, kv_dtype or dtype, window, chunk)
     streams = tuple(
         _stream(s, f"{f.path('streams')}[{i}].", kind, dtype, kv_dtype)
         for i, s in enumerate(f.items("streams"))
@@ -147,11 +124,10 @@ def _stream(data: Any, prefix: str, kind: Kind, dtype: DType, kv_dtype: DType | 
     f = _fields(data, prefix, _STREAM_KEYS)
     rows = f.opt_int("rows", minimum=0) or 0
     dt = f.dtype("dtype") or dtype
-    per_token = kind is not Kind.STATE
-    if kv_dtype is not None and per_token:
-        dt = kv_dtype
+    rescaled = kind is not Kind.STATE and kv_dtype is not None
+    dt = kv_dtype if rescaled and kv_dtype else dt
     segs = tuple(
-        _segment(s, f"{f.path('segments')}[{i}]", dt, kv_dtype is not None and per_token)
+        _segment(s, f"{f.path('segments')}[{i}]", dt, rescaled)
         for i, s in enumerate(f.items("segments"))
     )
     replicated = f.flag("replicated", False)

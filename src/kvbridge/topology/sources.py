@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 from kvbridge.errors import TopologyError
 from kvbridge.spec.model import ModelSpec
-from kvbridge.spec.parallel import Parallel
-from kvbridge.spec.sharding import shard_interval
+from kvbridge.spec.parallel import Parallel, shard_interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +48,11 @@ def sources(spec: ModelSpec, p_par: Parallel, d_par: Parallel, d_rank: int) -> l
                 held = [
                     shard_interval(seg.units, p_par.tp, r, s.replicated) for r in range(p_par.tp)
                 ]
+                # [a, b) cut where the set of P ranks holding a unit changes
+                cuts = sorted({a, b} | {x for lo, hi in held for x in (lo, hi) if a < x < b})
                 own: list[Piece] = []  # pieces merge within this segment only
-                for start, stop, holders in _holders(a, b, held):
+                for start, stop in itertools.pairwise(cuts):
+                    holders = [r for r, (lo, hi) in enumerate(held) if lo <= start < hi]
                     if not holders:
                         raise TopologyError(f"layer {li} {s.name}: no P rank holds unit {start}")
                     src = p_stage * p_par.tp + holders[(li + d_tp) % len(holders)]
@@ -59,13 +61,3 @@ def sources(spec: ModelSpec, p_par: Parallel, d_par: Parallel, d_rank: int) -> l
                     own.append(Piece(li, s.name, seg_i, src, start, stop))
                 pieces += own
     return pieces
-
-
-def _holders(a: int, b: int, held: list[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
-    """``[a, b)`` cut where the set of P ranks holding a unit changes: ``(start, stop,
-    holders)`` in order (ranks ascending), one entry per cut."""
-    cuts = sorted({a, b} | {x for lo, hi in held for x in (lo, hi) if a < x < b})
-    out = []
-    for start, stop in itertools.pairwise(cuts):
-        out.append((start, stop, [r for r, (lo, hi) in enumerate(held) if lo <= start < hi]))
-    return out
