@@ -20,7 +20,7 @@ import torch
 
 from kvbridge.errors import PeerError, TransportError
 from kvbridge.layout.tensor import MemKind
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState
+from kvbridge.transport.base import U64, Region, Transport, XferHandle, XferState
 from kvbridge.transport.memory import byte_tensor
 
 
@@ -96,33 +96,17 @@ class LoopbackTransport(Transport):
         self.peers.discard(name)
 
     def read(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle:
         return self._copy(peer, dst=local, src=remote, nbytes=nbytes, notif=notif, pull=True)
 
     def write(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle:
         return self._copy(peer, dst=remote, src=local, nbytes=nbytes, notif=notif, pull=False)
 
     def _copy(
-        self,
-        peer: str,
-        dst: np.ndarray,
-        src: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None,
-        pull: bool,
+        self, peer: str, dst: U64, src: U64, nbytes: U64, notif: bytes | None, pull: bool
     ) -> XferHandle:
         other = self.fabric.agents.get(peer)
         if peer not in self.peers or other is None:

@@ -248,35 +248,29 @@ class NixlTransport(Transport):
         Byte addresses in registered memory; the copy may finish in this call. ``notif``
         (``None``/``b""``: none) reaches the peer after the data. :class:`TransportError`
         for a run outside registered memory (nothing copied), an unknown or dead peer."""
-        return self._post("READ", peer, local, remote, nbytes, notif)
+        return self._post("READ", peer, (local, remote, nbytes), notif)
 
     def write(
         self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
     ) -> NixlXferHandle:
-        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer).
+        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer),
+        as :meth:`read`."""
+        return self._post("WRITE", peer, (local, remote, nbytes), notif)
 
-        As :meth:`read`; the notification reaches the peer after the data landed."""
-        return self._post("WRITE", peer, local, remote, nbytes, notif)
-
-    def _runs(self, op: str, peer: str, *arrays: object) -> tuple[np.ndarray, ...]:
-        """Checked ``(local, remote, nbytes)`` uint64 arrays for ``op`` with ``peer``."""
+    def _post(
+        self, op: str, peer: str, arrays: tuple[_U64, _U64, _U64], notif: bytes | None
+    ) -> NixlXferHandle:
+        """Check the runs, build both descriptor lists and post one request."""
+        agent = self._check_open()
         loc, rem, size = (
-            as_u64(n, a) for n, a in zip(("local", "remote", "nbytes"), arrays, strict=True)
+            as_u64(n, a) for n, a in zip(["local", "remote", "nbytes"], arrays, strict=True)
         )
         if not loc.shape == rem.shape == size.shape:
-            msg = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
-            raise TransportError(f"{op} with {peer!r}: need equal lengths, got {msg}")
+            shapes = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
+            raise TransportError(f"{op} with {peer!r}: need equal lengths, got {shapes}")
         with self._lock:
             if peer not in self._peers:
                 raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
-        return loc, rem, size
-
-    def _post(
-        self, op: str, peer: str, local: object, remote: object, nbytes: object, notif: bytes | None
-    ) -> NixlXferHandle:
-        """Validate the runs, build both descriptor lists and post one request."""
-        agent = self._check_open()
-        loc, rem, size = self._runs(op, peer, local, remote, nbytes)
         msg, runs, total = bytes(notif or b""), int(size.shape[0]), int(size.sum(dtype=np.uint64))
         if runs == 0:  # NIXL cannot build an empty request
             try:
@@ -298,10 +292,7 @@ class NixlTransport(Transport):
                 f"{op} of {runs} runs ({total} B) with {peer!r} refused: {exc!r} "
                 "(NOT_FOUND: a run outside registered memory)"
             ) from exc
-        return self._start(op, xfer, peer, runs, total)
-
-    def _start(self, op: str, xfer: Any, peer: str, runs: int, total: int) -> NixlXferHandle:
-        agent, handle = self._check_open(), NixlXferHandle(self, xfer, peer, runs, total)
+        handle = NixlXferHandle(self, xfer, peer, runs, total)
         with self._lock:
             self._live.add(handle)
         try:
