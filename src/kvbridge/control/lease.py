@@ -61,7 +61,6 @@ class Lease:
     tables: list[list[int]]
     digest: str
     deadline: float
-    state: LeaseState = LeaseState.HELD
     reported: set[int] = field(default_factory=set)
     owners: dict[int, Owner] = field(default_factory=dict)
     """The D ranks that began, by rank."""
@@ -70,10 +69,6 @@ class Lease:
     granted: float = 0.0
     aborting: bool = False
     """Aborted while a D rank that began had not reported: freed once they have."""
-
-    @property
-    def begun(self) -> set[int]:
-        return set(self.owners)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +135,9 @@ class LeaseTable:
             # confirm / fail: this D rank is finished with the blocks
             lease.reported.add(op.d_rank)
             left = self._left(lease)
-            if lease.aborting and lease.begun <= lease.reported:
+            if lease.aborting and lease.owners.keys() <= lease.reported:
                 self._move(lease, LeaseState.ABORTED)
-            elif len(lease.reported) >= op.d_world and lease.begun <= lease.reported:
+            elif len(lease.reported) >= op.d_world and lease.owners.keys() <= lease.reported:
                 self._move(lease, LeaseState.DONE)
             return LeaseReply("held", left)
 
@@ -160,7 +155,7 @@ class LeaseTable:
             lease = self._held.get(request_id)
             if lease is None or lease.aborting:
                 return False
-            if lease.begun <= lease.reported:
+            if lease.owners.keys() <= lease.reported:
                 self._move(lease, LeaseState.ABORTED)
             else:
                 lease.aborting = True
@@ -183,9 +178,8 @@ class LeaseTable:
 
     def _move(self, lease: Lease, to: LeaseState) -> None:
         """Leave HELD (each lease once: it is dropped from the table here)."""
-        lease.state = to
         del self._held[lease.request_id]
-        self._freed.append(Freed(lease.request_id, lease.tables, lease.state))
+        self._freed.append(Freed(lease.request_id, lease.tables, to))
 
 
 def refusal(lease: Lease, op: LeaseOp) -> str:

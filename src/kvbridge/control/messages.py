@@ -20,8 +20,6 @@ from kvbridge.layout.view import RankLayout, View
 from kvbridge.transport.ipc import Share, node_id
 
 PROTOCOL_VERSION = 7
-"""7: leases owned by the D ranks that began them (``LeaseOp.token``, ``LeaseReply``
-``foreign``), pushes bound to one lease (``PushRuns.nonce``, :class:`PushRefused`)."""
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -52,7 +50,6 @@ if TYPE_CHECKING:  # a struct made at run time is no type to mypy
 else:
     WireView = _wire_form(View, "WireView")
     WireShare = _wire_form(Share, "WireShare")
-    """One region as another process of P's node maps it (:class:`Share`)."""
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -295,21 +292,17 @@ def rank_regions(info: RankInfo, layout: RankLayout) -> list[Region]:
 
 def rank_layout(info: RankInfo) -> RankLayout:
     """Rebuild a :class:`RankLayout` from the wire; its checks reject views outside regions."""
-    try:
-        return _rank_layout(info)
-    except (LayoutError, ValueError, TypeError, IndexError) as e:
-        raise PeerError(f"rank {info.rank}: layout from peer rejected: {e}") from None
-
-
-def _rank_layout(info: RankInfo) -> RankLayout:
     if len(info.bases) != len(info.regions):
         raise PeerError(
             f"rank {info.rank}: {len(info.bases)} bases for {len(info.regions)} regions"
         )
-    return RankLayout(
-        tuple(info.regions),
-        tuple(View(*msgspec.structs.astuple(w)) for w in info.views),
-        tuple(info.block_sizes),
-        tuple(info.num_blocks),
-        tuple(info.pools),
-    )
+    try:
+        return RankLayout(
+            tuple(info.regions),
+            tuple(View(*msgspec.structs.astuple(w)) for w in info.views),
+            tuple(info.block_sizes),
+            tuple(info.num_blocks),
+            tuple(info.pools),
+        )
+    except (LayoutError, ValueError, TypeError, IndexError) as e:
+        raise PeerError(f"rank {info.rank}: layout from peer rejected: {e}") from None

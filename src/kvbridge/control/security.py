@@ -85,13 +85,10 @@ class Keys:
 
     @staticmethod
     def load(path: str | Path) -> Keys:
-        """Keys from a JSON file, Z85 text as ``zmq.curve_keypair()`` makes it. Either a
-        per-instance identity: ``engine_id``, ``public``, ``secret`` and ``peers`` (an
-        object: engine id → public key), as :meth:`new_identity` and :meth:`add_peers`
-        write it; or explicit keys: ``server_public`` (every side), ``server_secret``
-        and ``allowed`` (a list of client public keys; P), ``client_public`` and
-        ``client_secret`` (D), where a key a side does not need may be left out. A
-        malformed file is a :class:`ConfigError` naming the field."""
+        """Keys from a JSON file of Z85 text: a per-instance identity (``engine_id``,
+        ``public``, ``secret``, ``peers``) or explicit keys (``server_*``, ``client_*``,
+        ``allowed``; a side may leave out keys it does not need): ``docs/security.md``.
+        A malformed file is a :class:`ConfigError` naming the field."""
         raw = _read(path)
         if "engine_id" in raw:
             return _identity(path, raw)
