@@ -74,8 +74,7 @@ class ProxyMetrics:
     """The proxy's Prometheus metrics (seconds for durations, ``_total`` for counters)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "kvbridge_proxy_requests_total",
             "Requests by route and outcome.",
@@ -107,9 +106,6 @@ class ProxyMetrics:
             ["role", "url"],
             registry=r,
         )
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 class BackendError(Exception):
@@ -299,7 +295,7 @@ class Proxy:
         return web.json_response(body, status=200 if any(p) and any(d) else 503)
 
     async def render_metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain")
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
         b = self.d.pick()

@@ -119,34 +119,25 @@ class NixlTransport(Transport):
         self._places = Places(np.zeros((0, 4), np.uint64))
         self._peer_places: dict[str, Places] = {}
         self._closed = False
-        self._agent = self._make_agent(name, delay)
-        self.kinds = self._moves(self._agent)
-
-    @staticmethod
-    def _moves(agent: Any) -> frozenset[MemKind]:
-        """Host memory, and device memory where UCX here handles VRAM and a GPU is seen."""
-        try:
-            segs = {str(t) for t in agent.get_backend_mem_types("UCX")}
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot read UCX memory types: {exc!r}") from exc
-        vram = any("VRAM" in t for t in segs) and cuda_available()
-        return frozenset({MemKind.HOST, MemKind.DEVICE} if vram else {MemKind.HOST})
-
-    @staticmethod
-    def _make_agent(name: str, delay_us: int) -> Any:
-        """The wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
-        binding agent made from our config, then instantiate UCX on that (~0.4 s)."""
+        # NIXL's wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
+        # binding agent made from our config, then instantiate UCX on that (~0.4 s).
         cfg = _nb.nixlAgentConfig()
-        cfg.useProgThread, cfg.pthrDelay = True, delay_us
+        cfg.useProgThread, cfg.pthrDelay = True, delay
         cfg.useListenThread, cfg.captureTelemetry = False, False
         cfg.syncMode = _nb.NIXL_THREAD_SYNC_RW
         try:
-            agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-            agent.agent = _nb.nixlAgent(name, cfg)
-            agent.create_backend("UCX", {})
+            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+            self._agent.agent = _nb.nixlAgent(name, cfg)
+            self._agent.create_backend("UCX", {})
         except _CAUGHT as exc:
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc!r}") from exc
-        return agent
+        try:
+            segs = {str(t) for t in self._agent.get_backend_mem_types("UCX")}
+        except _CAUGHT as exc:
+            raise TransportError(f"cannot read UCX memory types: {exc!r}") from exc
+        # device memory where UCX here handles VRAM and this process sees a GPU
+        vram = any("VRAM" in t for t in segs) and cuda_available()
+        self.kinds = frozenset({MemKind.HOST, MemKind.DEVICE} if vram else {MemKind.HOST})
 
     def _check_open(self) -> Any:
         if self._closed:
