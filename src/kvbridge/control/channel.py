@@ -155,9 +155,7 @@ class Client:
         keys: Keys | None = None,
         server: str = "",
     ):
-        """``server``: the engine id of the instance serving ``endpoint``; with
-        per-instance keys, the CURVE server key is the one bound to it
-        (:meth:`Keys.toward`; a server holding another key gets no session)."""
+        """``server``: the engine id serving ``endpoint`` (its key: :meth:`Keys.toward`)."""
         self.endpoint = endpoint
         self.secret = secret
         self.keys = keys or Keys.from_secret(secret)

@@ -24,6 +24,8 @@ from typing import Literal
 
 from kvbridge.control.messages import LeaseOp, LeaseReply
 
+Clock = Callable[[], float]
+
 
 class LeaseState(enum.Enum):
     HELD = "held"
@@ -84,13 +86,9 @@ class LeaseTable:
     """Thread-safe; time is ``time.monotonic()`` unless a clock is given."""
 
     def __init__(
-        self,
-        lease_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        max_hold_s: float | None = None,
+        self, lease_s: float, clock: Clock = time.monotonic, max_hold_s: float | None = None
     ):
-        """``max_hold_s``: the longest a lease can be held, renewals included (default
-        ten lease periods)."""
+        """``max_hold_s``: the longest a lease is held, renewals included (default 10 leases)."""
         self.lease_s = lease_s
         self.max_hold_s = 10 * lease_s if max_hold_s is None else max_hold_s
         self.clock = clock

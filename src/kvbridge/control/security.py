@@ -30,7 +30,7 @@ def _key_pair(secret: bytes, label: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(sk), sk
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Keys:
     """CURVE keys of one deployment (Z85 text, 40 bytes each)."""
 
@@ -47,9 +47,8 @@ class Keys:
     D instances it serves; D: the P instances it loads from)."""
 
     def toward(self, engine_id: str) -> Keys:
-        """The keys to connect to the server of instance ``engine_id``: with a
-        per-instance identity, the server key is the one bound to ``engine_id``
-        (:class:`IdentityError` if none is); otherwise these keys."""
+        """The keys to connect to instance ``engine_id``'s server: with a per-instance
+        identity, the server key bound to it (:class:`IdentityError` if none is)."""
         if not self.engine_id:
             return self
         key = dict(self.peers).get(engine_id)

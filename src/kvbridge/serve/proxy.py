@@ -224,7 +224,12 @@ class Proxy:
         async with self._call(backend, "prefill", route, req) as call:
             resp = call.resp
             if resp.status != 200:
-                why = _reason(await call.read(resp.text()))
+                text = await call.read(resp.text())
+                try:  # its OpenAI error message if it has one, else the text
+                    why = str(json.loads(text)["error"]["message"])
+                except (ValueError, TypeError, KeyError):
+                    why = text
+                why = why.strip()[:500] or "(empty body)"
                 msg = f"prefill server {backend.url} answered {resp.status}: {why}"
                 raise BackendError(resp.status, msg, backend.url)
             reply = await call.read(resp.json())
@@ -353,15 +358,6 @@ class _Tracked:
         self.b.in_flight -= 1
         self.b.failed += int(self.bad)
         self.proxy.metrics.in_flight.labels(self.role, self.b.url).set(self.b.in_flight)
-
-
-def _reason(text: str) -> str:
-    """A backend's error text: its OpenAI ``error.message`` if it has one, else the text."""
-    try:
-        msg = json.loads(text)["error"]["message"]
-    except (ValueError, TypeError, KeyError):
-        msg = text
-    return str(msg).strip()[:500] or "(empty body)"
 
 
 def listening(host: str, port: int, prefill: list[str], decode: list[str]) -> str:

@@ -33,13 +33,9 @@ class XferHandle(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """One rank's agent. ``name`` is unique per rank and known to peers.
-
-    ``read(peer, local, remote, ...)``: copy ``remote[i]`` (peer memory) to ``local[i]``.
-    ``write(peer, local, remote, ...)``: copy ``local[i]`` to ``remote[i]`` (peer memory).
-    ``local``, ``remote``, ``nbytes`` are 1-D uint64 arrays of equal length.
-    A notification (bytes) is delivered to the peer once the data has landed.
-    """
+    """One rank's agent (``name``: unique per rank, known to peers). ``read`` copies
+    ``remote[i]`` (peer memory) to ``local[i]``, ``write`` the other way, ``nbytes[i]``
+    bytes each; ``notif`` is delivered to the peer once the data has landed."""
 
     name: str
     kinds: frozenset[MemKind] = frozenset({MemKind.HOST})

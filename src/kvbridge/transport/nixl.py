@@ -145,8 +145,7 @@ class NixlTransport(Transport):
         return self._agent
 
     def register(self, regions: list[Region]) -> bytes:
-        """Register memory regions (host: ``DRAM_SEG``, device: ``VRAM_SEG`` with the
-        GPU's index); returns :meth:`metadata` (bytes) for peers."""
+        """Register memory regions; returns :meth:`metadata` for peers."""
         agent = self._check_open()
         self.check_kinds(regions)
         if not regions or any(r.nbytes == 0 for r in regions):
@@ -234,18 +233,15 @@ class NixlTransport(Transport):
     def read(
         self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
     ) -> NixlXferHandle:
-        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``.
-
-        Byte addresses in registered memory; the copy may finish in this call. ``notif``
-        (``None``/``b""``: none) reaches the peer after the data. :class:`TransportError`
-        for a run outside registered memory (nothing copied), an unknown or dead peer."""
+        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``; the
+        copy may finish in this call. :class:`TransportError` for a run outside registered
+        memory (nothing copied), an unknown or dead peer."""
         return self._post("READ", peer, (local, remote, nbytes), notif)
 
     def write(
         self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
     ) -> NixlXferHandle:
-        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer),
-        as :meth:`read`."""
+        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer)."""
         return self._post("WRITE", peer, (local, remote, nbytes), notif)
 
     def _post(
