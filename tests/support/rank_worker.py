@@ -13,7 +13,7 @@ from kvbridge.connector.consumer import Consumer, Mode, Outcome
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.producer import ProducerWorker
 from kvbridge.control.messages import RankInfo
-from kvbridge.transport.registry import make_transport
+from kvbridge.transport import make_transport
 from tests.support.reference import expected_dest, fill_source
 
 

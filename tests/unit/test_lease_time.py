@@ -48,7 +48,7 @@ def _until_begun(w: World, rid: str, at_least: float) -> None:
     """Wait ``at_least`` seconds and until P has D's ``begin`` for ``rid`` (≤ 5 s)."""
     end = time.monotonic() + 5.0
     time.sleep(at_least)
-    while not w.producer.leases._held[rid].begun:
+    while not w.producer.leases._held[rid].owners:
         assert time.monotonic() < end, "D's begin did not reach P within 5 s"
         time.sleep(0.01)
 

@@ -52,7 +52,15 @@ class Server:
         self._auth: Any = None
         try:
             self._auth = secure_server(self._ctx, self._sock, self.keys)
-            self.endpoint = self._bind(host, port, advertise)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+            if ":" in host and host != "*":
+                self._sock.setsockopt(zmq.IPV6, 1)
+            if port:
+                self._sock.bind(f"tcp://{_bracket(host)}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{_bracket(host)}")
+            shown = advertise or (reachable_address() if host in WILDCARDS else host)
+            self.endpoint = f"tcp://{_bracket(shown)}:{port}"
         except BaseException as e:
             self._sock.close(0)
             if self._auth is not None:
@@ -66,17 +74,6 @@ class Server:
             target=self._serve, name="kvbridge-sidechannel", daemon=True
         )
         self._thread.start()
-
-    def _bind(self, host: str, port: int, advertise: str) -> str:
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
-        if ":" in host and host != "*":
-            self._sock.setsockopt(zmq.IPV6, 1)
-        if port:
-            self._sock.bind(f"tcp://{_bracket(host)}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{_bracket(host)}")
-        shown = advertise or (reachable_address() if host in WILDCARDS else host)
-        return f"tcp://{_bracket(shown)}:{port}"
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -158,9 +155,7 @@ class Client:
         keys: Keys | None = None,
         server: str = "",
     ):
-        """``server``: the engine id of the instance serving ``endpoint``; with
-        per-instance keys, the CURVE server key is the one bound to it
-        (:meth:`Keys.toward`; a server holding another key gets no session)."""
+        """``server``: the engine id serving ``endpoint`` (its key: :meth:`Keys.toward`)."""
         self.endpoint = endpoint
         self.secret = secret
         self.keys = keys or Keys.from_secret(secret)

@@ -4,39 +4,10 @@
       │ ──abort──────────────────────────────────────────────────────► ABORTED
       └─deadline passed──────────────────────────────────────────────► EXPIRED
 
-Leaving HELD frees the request's blocks exactly once. A D rank's ``confirm`` is
-answered ``held`` only while the lease is HELD and before its deadline; anything later
-(or a request P does not know) is ``expired``, so D never reports success for bytes
-read after P may have reused the blocks. Each D rank's ``begin`` is accepted once (a
-second is ``refused``), and renewals never hold a lease past ``max_hold_s`` after it was
-granted: a D that stalls, or keeps renewing, cannot pin P's blocks for ever.
-
-An abort frees at once only when no D rank is reading: once a rank's ``begin`` was
-answered ``held``, P keeps the blocks until that rank reports or the deadline passes
-(then ABORTED; EXPIRED if the deadline comes first). A rank may then count the lease as
-held for as long as the ``begin`` reply said, without asking again after its last byte
-landed (:class:`kvbridge.connector.consumer.Consumer` does, within half that time); so a
-rank that reported may not ``begin`` again. While an abort waits, ``begin`` and ``renew``
-are answered ``expired``.
-
-A lease belongs to the D ranks that began it. The first accepted ``begin`` fixes the D
-engine id (and D world) of the lease; each rank's ``begin`` binds that rank to
-(engine id, epoch, rank) and is answered with a random token, which that rank's
-``confirm``, ``fail`` and ``renew`` must carry. A ``begin`` from another engine id, or for
-a rank already begun under another epoch (a duplicated handle at a second D), and any op
-with an unknown token, another identity's token or no token for a rank that began, is
-answered ``foreign`` (``reason``), changes nothing and is counted in
-:attr:`LeaseTable.refused`. An op without a token is accepted only for a rank that has
-not begun (a ``renew`` while queued, a ``confirm`` of a rank that needs no bytes, a
-``fail`` of a load refused before it began): it can mark that rank reported, so that rank
-can no longer ``begin``, but it never frees blocks a rank that began is reading.
-
-So before its deadline P frees a request's blocks only once every rank that began has
-reported with its own token, and nobody else can end that rank's lease early: this is
-what keeps the consumer's lease-time shortcut (a load whose last byte landed within half
-the granted time is done without asking P again) sound. The engine id and epoch are
-claimed, not proven (any holder of the shared secret may send any): the token, sent
-only to the rank that began, is the proof.
+Leaving HELD frees the request's blocks exactly once. A lease belongs to the D ranks that
+began it: each rank's ``begin`` is accepted once and answered with a token its later ops
+must carry; an abort waits for the ranks that began. The rules and why: ``docs/faults.md``
+(leases).
 """
 
 from __future__ import annotations
@@ -53,25 +24,14 @@ from typing import Literal
 
 from kvbridge.control.messages import LeaseOp, LeaseReply
 
+Clock = Callable[[], float]
+
 
 class LeaseState(enum.Enum):
     HELD = "held"
     DONE = "done"
     ABORTED = "aborted"
     EXPIRED = "expired"
-
-
-class Event(enum.Enum):
-    ALL_REPORTED = "all_reported"
-    ABORT = "abort"
-    DEADLINE = "deadline"
-
-
-TRANSITIONS: dict[tuple[LeaseState, Event], LeaseState] = {
-    (LeaseState.HELD, Event.ALL_REPORTED): LeaseState.DONE,
-    (LeaseState.HELD, Event.ABORT): LeaseState.ABORTED,
-    (LeaseState.HELD, Event.DEADLINE): LeaseState.EXPIRED,
-}
 
 
 REFUSALS: dict[str, Literal["refused", "foreign"]] = {
@@ -103,7 +63,6 @@ class Lease:
     tables: list[list[int]]
     digest: str
     deadline: float
-    state: LeaseState = LeaseState.HELD
     reported: set[int] = field(default_factory=set)
     owners: dict[int, Owner] = field(default_factory=dict)
     """The D ranks that began, by rank."""
@@ -112,10 +71,6 @@ class Lease:
     granted: float = 0.0
     aborting: bool = False
     """Aborted while a D rank that began had not reported: freed once they have."""
-
-    @property
-    def begun(self) -> set[int]:
-        return set(self.owners)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +86,9 @@ class LeaseTable:
     """Thread-safe; time is ``time.monotonic()`` unless a clock is given."""
 
     def __init__(
-        self,
-        lease_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        max_hold_s: float | None = None,
+        self, lease_s: float, clock: Clock = time.monotonic, max_hold_s: float | None = None
     ):
-        """``max_hold_s``: the longest a lease can be held, renewals included (default
-        ten lease periods)."""
+        """``max_hold_s``: the longest a lease is held, renewals included (default 10 leases)."""
         self.lease_s = lease_s
         self.max_hold_s = 10 * lease_s if max_hold_s is None else max_hold_s
         self.clock = clock
@@ -182,10 +133,10 @@ class LeaseTable:
             # confirm / fail: this D rank is finished with the blocks
             lease.reported.add(op.d_rank)
             left = self._left(lease)
-            if lease.aborting and lease.begun <= lease.reported:
-                self._move(lease, Event.ABORT)
-            elif len(lease.reported) >= op.d_world and lease.begun <= lease.reported:
-                self._move(lease, Event.ALL_REPORTED)
+            if lease.aborting and lease.owners.keys() <= lease.reported:
+                self._move(lease, LeaseState.ABORTED)
+            elif len(lease.reported) >= op.d_world and lease.owners.keys() <= lease.reported:
+                self._move(lease, LeaseState.DONE)
             return LeaseReply("held", left)
 
     def _extend(self, lease: Lease) -> None:
@@ -202,8 +153,8 @@ class LeaseTable:
             lease = self._held.get(request_id)
             if lease is None or lease.aborting:
                 return False
-            if lease.begun <= lease.reported:
-                self._move(lease, Event.ABORT)
+            if lease.owners.keys() <= lease.reported:
+                self._move(lease, LeaseState.ABORTED)
             else:
                 lease.aborting = True
             return True
@@ -221,12 +172,12 @@ class LeaseTable:
     def _expire_locked(self) -> None:
         now = self.clock()
         for lease in [x for x in self._held.values() if x.deadline <= now]:
-            self._move(lease, Event.DEADLINE)
+            self._move(lease, LeaseState.EXPIRED)
 
-    def _move(self, lease: Lease, event: Event) -> None:
-        lease.state = TRANSITIONS[(lease.state, event)]
+    def _move(self, lease: Lease, to: LeaseState) -> None:
+        """Leave HELD (each lease once: it is dropped from the table here)."""
         del self._held[lease.request_id]
-        self._freed.append(Freed(lease.request_id, lease.tables, lease.state))
+        self._freed.append(Freed(lease.request_id, lease.tables, to))
 
 
 def refusal(lease: Lease, op: LeaseOp) -> str:

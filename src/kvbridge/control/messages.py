@@ -20,8 +20,6 @@ from kvbridge.layout.view import RankLayout, View
 from kvbridge.transport.ipc import Share, node_id
 
 PROTOCOL_VERSION = 7
-"""7: leases owned by the D ranks that began them (``LeaseOp.token``, ``LeaseReply``
-``foreign``), pushes bound to one lease (``PushRuns.nonce``, :class:`PushRefused`)."""
 MAX_FRAME = 8 << 20
 TAG_BYTES = 32
 
@@ -52,7 +50,6 @@ if TYPE_CHECKING:  # a struct made at run time is no type to mypy
 else:
     WireView = _wire_form(View, "WireView")
     WireShare = _wire_form(Share, "WireShare")
-    """One region as another process of P's node maps it (:class:`Share`)."""
 
 
 class RankInfo(msgspec.Struct, frozen=True):
@@ -66,16 +63,11 @@ class RankInfo(msgspec.Struct, frozen=True):
     pools: list[int]
     bases: list[int]
     agent: bytes
-    endpoint: str = ""
-    """This rank's own side channel (push requests), if it serves one."""
-    memory: str = MemKind.HOST.value
-    """Where the rank's KV regions live (a :class:`MemKind` value)."""
-    device: int = 0
-    """The GPU (CUDA ordinal) holding them, for device memory."""
-    node: str = ""
-    """The rank's node (boot id): a D on the same node may map ``shares``."""
-    shares: list[WireShare] = msgspec.field(default_factory=list)
-    """Per region, how a process of the same node maps it (empty: it cannot)."""
+    endpoint: str = ""  # this rank's own side channel (push requests), if any
+    memory: str = MemKind.HOST.value  # where its regions live (a MemKind value)
+    device: int = 0  # the GPU (CUDA ordinal) holding them, for device memory
+    node: str = ""  # its node (boot id): a D on the same node may map ``shares``
+    shares: list[WireShare] = msgspec.field(default_factory=list)  # per region, or none
 
     def memory_kind(self) -> MemKind:
         """:attr:`memory` checked; :class:`PeerError` for a kind this side does not know."""
@@ -96,12 +88,9 @@ class Handshake(msgspec.Struct, tag="handshake", frozen=True):
 class HandshakeReply(msgspec.Struct, tag="handshake_reply", frozen=True):
     version: int
     engine_id: str
-    epoch: str
-    """Changes whenever the P instance restarts (new memory, new agents)."""
+    epoch: str  # changes whenever the P instance restarts (new memory, new agents)
     compat_hash: str
-    model_id: str
-    """What P serves (e.g. a fingerprint of its config.json); D refuses a P whose id
-    differs from its own, even when the KV bytes have the same shape."""
+    model_id: str  # what P serves; D refuses a P whose id differs from its own
     tp: int
     pp: int
     stages: list[tuple[int, int]]
@@ -124,24 +113,18 @@ class LeaseOp(msgspec.Struct, tag="lease", frozen=True):
     d_engine: str
     d_rank: int
     d_world: int
-    d_epoch: str = ""
-    """Changes whenever the D rank restarts."""
-    token: str = ""
-    """The token of this rank's ``begin`` reply ("" before it began)."""
+    d_epoch: str = ""  # changes whenever the D rank restarts
+    token: str = ""  # the token of this rank's ``begin`` reply ("" before it began)
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply", frozen=True):
+    """P's answer to a :class:`LeaseOp`; ``refused`` and ``foreign`` change nothing
+    (``docs/faults.md``)."""
+
     state: Literal["held", "expired", "mismatch", "refused", "foreign"]
-    """``refused``: a second ``begin`` from the same D rank, or one after it reported (a
-    replay or a bug); ``foreign``: the lease belongs to another D, or the token is not
-    the one P gave this rank (``reason`` says which). Neither changes anything."""
-    remaining_s: float = 0.0
-    """Seconds the lease has left when P answers (0 unless ``held``): a duration, since
-    P's clock means nothing on D."""
-    token: str = ""
-    """``begin`` answered ``held``: the token this rank's later ops must carry."""
-    reason: str = ""
-    """``refused`` or ``foreign``: why (a :data:`kvbridge.control.lease.REFUSALS` key)."""
+    remaining_s: float = 0.0  # seconds the lease has left (0 unless held): P's clock stays on P
+    token: str = ""  # ``begin`` answered ``held``: the token this rank's later ops carry
+    reason: str = ""  # refused or foreign: why (a kvbridge.control.lease.REFUSALS key)
 
 
 class PushRuns(msgspec.Struct, tag="push", frozen=True):
@@ -160,31 +143,23 @@ class PushRuns(msgspec.Struct, tag="push", frozen=True):
     nbytes: bytes
     notif: bytes
     staged: bool = False
-    token: str = ""
-    """The lease token of the D rank's ``begin`` reply."""
+    token: str = ""  # the lease token of the D rank's ``begin`` reply
     d_epoch: str = ""
-    nonce: str = ""
-    """Issued by D for this load; the rank refuses it once retired (after ``last``)."""
-    part: int = 0
-    """Which message of the load this is (a staged push sends one per round)."""
-    last: bool = True
-    """The load's last message to this rank: its nonce is retired once accepted."""
-    d_engine: str = ""
-    """The D instance's engine id: bound to its key (per-instance identities), and part
-    of the load's key at the rank (a push of one engine never acts on another's load)."""
+    nonce: str = ""  # issued by D for this load; refused once retired (after ``last``)
+    part: int = 0  # which message of the load this is (a staged push sends one per round)
+    last: bool = True  # the load's last message to this rank: its nonce is then retired
+    d_engine: str = ""  # the D instance (bound to its key with per-instance identities)
 
 
 class PushReply(msgspec.Struct, tag="push_reply", frozen=True):
-    runs: int
-    """Descriptors the rank posted (fewer than the runs asked for if it gathered them)."""
+    runs: int  # descriptors posted (fewer than the runs asked for if it gathered them)
 
 
 class PushRefused(msgspec.Struct, tag="push_refused", frozen=True):
     """A P rank's answer to a push it did not write (nothing was posted)."""
 
     request_id: str
-    reason: str
-    """``no nonce``, ``retired nonce``, ``unknown nonce`` or ``replayed``."""
+    reason: str  # no nonce, retired nonce, unknown nonce or replayed
 
 
 class PushFence(msgspec.Struct, tag="push_fence", frozen=True):
@@ -192,14 +167,12 @@ class PushFence(msgspec.Struct, tag="push_fence", frozen=True):
     then on the rank refuses any push of that request from ``d_engine``."""
 
     request_id: str
-    d_engine: str = ""
-    """The D instance asking (bound to its key, as in :class:`PushRuns`)."""
+    d_engine: str = ""  # the D instance asking (bound to its key, as in PushRuns)
 
 
 class FenceReply(msgspec.Struct, tag="fence_reply", frozen=True):
     request_id: str
-    ended: bool
-    """No write of the request is running on this rank (none can land any more)."""
+    ended: bool  # no write of the request is running on this rank (none can land)
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):
@@ -295,21 +268,17 @@ def rank_regions(info: RankInfo, layout: RankLayout) -> list[Region]:
 
 def rank_layout(info: RankInfo) -> RankLayout:
     """Rebuild a :class:`RankLayout` from the wire; its checks reject views outside regions."""
-    try:
-        return _rank_layout(info)
-    except (LayoutError, ValueError, TypeError, IndexError) as e:
-        raise PeerError(f"rank {info.rank}: layout from peer rejected: {e}") from None
-
-
-def _rank_layout(info: RankInfo) -> RankLayout:
     if len(info.bases) != len(info.regions):
         raise PeerError(
             f"rank {info.rank}: {len(info.bases)} bases for {len(info.regions)} regions"
         )
-    return RankLayout(
-        tuple(info.regions),
-        tuple(View(*msgspec.structs.astuple(w)) for w in info.views),
-        tuple(info.block_sizes),
-        tuple(info.num_blocks),
-        tuple(info.pools),
-    )
+    try:
+        return RankLayout(
+            tuple(info.regions),
+            tuple(View(*msgspec.structs.astuple(w)) for w in info.views),
+            tuple(info.block_sizes),
+            tuple(info.num_blocks),
+            tuple(info.pools),
+        )
+    except (LayoutError, ValueError, TypeError, IndexError) as e:
+        raise PeerError(f"rank {info.rank}: layout from peer rejected: {e}") from None

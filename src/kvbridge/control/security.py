@@ -1,32 +1,9 @@
 """The side channel's security: ZeroMQ CURVE (CurveZMQ) under the HMAC-tagged frames.
 
-Why CURVE: it is ZeroMQ's own, reviewed mechanism (Curve25519 key exchange, per-session
-ephemeral keys, nonces on every message; libsodium underneath), it is built into the
-pyzmq wheels, and it gives what hand-made framing did not: confidentiality (P's NIXL
-metadata and block tables are not readable on the wire), authentication of *both* ends
-before any frame is read, and no replay — a frame recorded from one session is
-rejected in that session (nonce) and in every other (different session keys), so a
-captured push, ``begin`` or handshake cannot be played back.
-
-Keys, three modes (``docs/security.md``):
-
-- **shared secret** (default): both key pairs derived from the deployment's secret
-  (BLAKE2b with a label, as Curve25519 secret keys). Whoever holds the secret may
-  connect, and may act as any instance: engine ids are not bound to anything.
-- **explicit keys** (:meth:`Keys.load` of ``server_*``/``client_*``/``allowed``): a
-  server key pair, a client key pair and the allow-list of client public keys the
-  server accepts (a ZAP handler checks it before the session opens). Keys are not
-  bound to engine ids either.
-- **per-instance identity** (:meth:`Keys.load` of ``engine_id``/``public``/``secret``/
-  ``peers``; :meth:`Keys.new_identity` makes one): each instance has its own key pair and
-  lists its peers' public keys by engine id. P accepts only listed D keys, and a frame
-  claiming engine id X (``d_engine``) must come over a session of the key bound to X
-  (:meth:`Keys.check_claim`); D connects to P engine X only if P holds the key D binds
-  to X (:meth:`Keys.toward`).
-
-The HMAC tag on each frame stays (a second check, and the typed "authentication
-failed" reply when a peer speaks CURVE with the right keys but signs with another
-secret).
+CURVE encrypts, authenticates both ends before any frame is read, and makes no frame
+replayable (per-session keys, a nonce per message). Keys come in three modes (shared
+secret, explicit keys, per-instance identity: ``docs/security.md``); the HMAC tag stays as
+a second check (``docs/faults.md``, "The side channel").
 """
 
 from __future__ import annotations
@@ -53,7 +30,7 @@ def _key_pair(secret: bytes, label: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(sk), sk
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Keys:
     """CURVE keys of one deployment (Z85 text, 40 bytes each)."""
 
@@ -70,9 +47,8 @@ class Keys:
     D instances it serves; D: the P instances it loads from)."""
 
     def toward(self, engine_id: str) -> Keys:
-        """The keys to connect to the server of instance ``engine_id``: with a
-        per-instance identity, the server key is the one bound to ``engine_id``
-        (:class:`IdentityError` if none is); otherwise these keys."""
+        """The keys to connect to instance ``engine_id``'s server: with a per-instance
+        identity, the server key bound to it (:class:`IdentityError` if none is)."""
         if not self.engine_id:
             return self
         key = dict(self.peers).get(engine_id)
@@ -108,13 +84,10 @@ class Keys:
 
     @staticmethod
     def load(path: str | Path) -> Keys:
-        """Keys from a JSON file, Z85 text as ``zmq.curve_keypair()`` makes it. Either a
-        per-instance identity: ``engine_id``, ``public``, ``secret`` and ``peers`` (an
-        object: engine id → public key), as :meth:`new_identity` and :meth:`add_peers`
-        write it; or explicit keys: ``server_public`` (every side), ``server_secret``
-        and ``allowed`` (a list of client public keys; P), ``client_public`` and
-        ``client_secret`` (D), where a key a side does not need may be left out. A
-        malformed file is a :class:`ConfigError` naming the field."""
+        """Keys from a JSON file of Z85 text: a per-instance identity (``engine_id``,
+        ``public``, ``secret``, ``peers``) or explicit keys (``server_*``, ``client_*``,
+        ``allowed``; a side may leave out keys it does not need): ``docs/security.md``.
+        A malformed file is a :class:`ConfigError` naming the field."""
         raw = _read(path)
         if "engine_id" in raw:
             return _identity(path, raw)

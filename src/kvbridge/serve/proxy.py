@@ -13,23 +13,99 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvbridge.serve.backends import Backend, Pool
-from kvbridge.serve.metrics import ProxyMetrics
+from kvbridge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 MAX_BODY = 8 << 20
 T = TypeVar("T")
+
+
+@dataclass
+class Backend:
+    url: str
+    """Base URL, e.g. ``http://127.0.0.1:8100`` (no trailing slash)."""
+    in_flight: int = 0
+    failed: int = 0
+
+
+@dataclass
+class Pool:
+    """Backends of one role. :meth:`pick`: fewest requests in flight, ties in turn."""
+
+    backends: list[Backend]
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    @staticmethod
+    def of(role: str, urls: list[str]) -> Pool:
+        if not urls:
+            raise ConfigError(f"--{role}: at least one server URL is needed")
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"--{role} {url!r}: expected http(s)://host:port")
+        return Pool([Backend(url.rstrip("/")) for url in urls])
+
+    def pick(self) -> Backend:
+        turn = next(self._turn)
+        n = len(self.backends)
+        order = [self.backends[(turn + i) % n] for i in range(n)]
+        return min(order, key=lambda b: b.in_flight)
+
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ProxyMetrics:
+    """The proxy's Prometheus metrics (seconds for durations, ``_total`` for counters)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "kvbridge_proxy_requests_total",
+            "Requests by route and outcome.",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.stage = Histogram(
+            "kvbridge_proxy_stage_seconds",
+            "Time of each stage of a P/D request.",
+            ["stage"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvbridge_proxy_time_to_first_token_seconds",
+            "From the request's arrival to D's first streamed chunk (or full reply).",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.backend_errors = Counter(
+            "kvbridge_proxy_backend_errors_total",
+            "Failed calls to a backend, by role and cause.",
+            ["role", "cause"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvbridge_proxy_in_flight",
+            "Requests in flight per backend.",
+            ["role", "url"],
+            registry=r,
+        )
 
 
 class BackendError(Exception):
@@ -54,12 +130,6 @@ def describe(e: BaseException) -> str:
     if isinstance(e, aiohttp.ClientPayloadError):
         return "cut its reply short"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-def failed(role: str, url: str, e: BaseException) -> BackendError:
-    """The client's answer to a failed call: 504 for a timeout, else 502."""
-    status = 504 if isinstance(e, TimeoutError) else 502
-    return BackendError(status, f"{role} server {url}: {describe(e)}", url)
 
 
 class _Cut(Exception):
@@ -154,7 +224,12 @@ class Proxy:
         async with self._call(backend, "prefill", route, req) as call:
             resp = call.resp
             if resp.status != 200:
-                why = _reason(await call.read(resp.text()))
+                text = await call.read(resp.text())
+                try:  # its OpenAI error message if it has one, else the text
+                    why = str(json.loads(text)["error"]["message"])
+                except (ValueError, TypeError, KeyError):
+                    why = text
+                why = why.strip()[:500] or "(empty body)"
                 msg = f"prefill server {backend.url} answered {resp.status}: {why}"
                 raise BackendError(resp.status, msg, backend.url)
             reply = await call.read(resp.json())
@@ -225,7 +300,7 @@ class Proxy:
         return web.json_response(body, status=200 if any(p) and any(d) else 503)
 
     async def render_metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain")
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
         b = self.d.pick()
@@ -276,22 +351,13 @@ class _Tracked:
     def _fail(self, e: BaseException) -> BackendError:
         self.bad = True
         self.proxy.metrics.backend_errors.labels(self.role, type(e).__name__).inc()
-        return failed(self.role, self.b.url, e)
+        status = 504 if isinstance(e, TimeoutError) else 502  # the client's answer
+        return BackendError(status, f"{self.role} server {self.b.url}: {describe(e)}", self.b.url)
 
     def _done(self) -> None:
         self.b.in_flight -= 1
-        self.b.served += 1
         self.b.failed += int(self.bad)
         self.proxy.metrics.in_flight.labels(self.role, self.b.url).set(self.b.in_flight)
-
-
-def _reason(text: str) -> str:
-    """A backend's error text: its OpenAI ``error.message`` if it has one, else the text."""
-    try:
-        msg = json.loads(text)["error"]["message"]
-    except (ValueError, TypeError, KeyError):
-        msg = text
-    return str(msg).strip()[:500] or "(empty body)"
 
 
 def listening(host: str, port: int, prefill: list[str], decode: list[str]) -> str:

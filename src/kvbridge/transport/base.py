@@ -1,9 +1,4 @@
-"""The transport interface: register, add peer, read/write runs, poll.
-
-Runs are ``(N, 3)`` uint64 arrays of ``(local_or_src_addr, remote_or_dst_addr, nbytes)``
-as produced by the planner; see :class:`Runs`. Two implementations exist:
-``loopback`` (in-process memcpy) and ``nixl`` (the only module importing NIXL).
-"""
+"""The transport interface: register, add peer, read/write runs, poll."""
 
 from __future__ import annotations
 
@@ -17,7 +12,9 @@ import numpy as np
 from kvbridge.errors import TransferTimeout, TransportError
 from kvbridge.layout.tensor import MemKind, Region
 
-__all__ = ["MemKind", "Region", "Transport", "XferHandle", "XferState", "as_u64"]
+__all__ = ["U64", "MemKind", "Region", "Transport", "XferHandle", "XferState", "as_u64"]
+U64 = np.ndarray
+"""A 1-D uint64 array (any non-negative integer dtype is accepted)."""
 
 
 class XferState(enum.Enum):
@@ -36,13 +33,9 @@ class XferHandle(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """One rank's agent. ``name`` is unique per rank and known to peers.
-
-    ``read(peer, local, remote, ...)``: copy ``remote[i]`` (peer memory) to ``local[i]``.
-    ``write(peer, local, remote, ...)``: copy ``local[i]`` to ``remote[i]`` (peer memory).
-    ``local``, ``remote``, ``nbytes`` are 1-D uint64 arrays of equal length.
-    A notification (bytes) is delivered to the peer once the data has landed.
-    """
+    """One rank's agent (``name``: unique per rank, known to peers). ``read`` copies
+    ``remote[i]`` (peer memory) to ``local[i]``, ``write`` the other way, ``nbytes[i]``
+    bytes each; ``notif`` is delivered to the peer once the data has landed."""
 
     name: str
     kinds: frozenset[MemKind] = frozenset({MemKind.HOST})
@@ -71,22 +64,12 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def read(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle: ...
 
     @abc.abstractmethod
     def write(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle: ...
 
     @abc.abstractmethod

@@ -1,21 +1,12 @@
 """Sharing a rank's memory with another process of the same node, without NIXL.
 
-P describes each of its regions as a :class:`Share` at registration (:func:`export`); D,
-if it runs on the same node (:func:`node_id`), maps them into its own address space
-(:class:`Opened`) and copies with one gather-scatter kernel
-(:mod:`kvbridge.connector.kernel_mover`). Two ways:
-
-    cuda   device memory: a CUDA IPC handle of the allocation holding the region
-           (driver API ``cuIpcGetMemHandle`` / ``cuIpcOpenMemHandle``), plus the region's
-           offset in it. P and D on one GPU, or on GPUs with peer access.
-    shm    host memory backed by a file in /dev/shm (found in /proc/self/maps): D maps
-           the same file pages. Also how device memory emulated on the CPU is shared
-           (``KVBRIDGE_DEVICE_ON_CPU``), so the CPU tests run this module's D side.
-
-Anonymous host memory, or device memory the driver will not export (e.g. allocated with
-the virtual memory API), has no share: the mover is then unavailable and says why.
-Handles travel only over the authenticated side channel; a mapped region is readable
-and writable by D, so D reads it only under a held lease, like any transfer.
+P describes each region as a :class:`Share` (:func:`export`); D, on the same node
+(:func:`node_id`), maps them (:class:`Opened`) for :mod:`kvbridge.connector.kernel_mover`.
+Two ways: ``cuda``, a CUDA IPC handle of the allocation holding a device region (driver
+API) and the region's offset in it; ``shm``, the /dev/shm file behind host memory (also
+device memory emulated on the CPU, ``KVBRIDGE_DEVICE_ON_CPU``). Anonymous host memory, or
+device memory the driver will not export (virtual memory API), has no share. Handles
+travel only over the authenticated side channel; D reads a mapping only under a lease.
 """
 
 from __future__ import annotations
@@ -138,7 +129,13 @@ class Opened:
             addr = self._cuda.get(s.handle)
             if addr is None:
                 addr = self._cuda[s.handle] = _cuda_open(s.handle, self.device)
-            mapped = _cuda_size(addr)
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            with _DRIVER_LOCK:
+                rc = _driver().cuMemGetAddressRange_v2(
+                    ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)
+                )
+            _check("cuMemGetAddressRange", rc)
+            mapped = int(size.value) - (addr - int(base.value))
             if s.offset + s.nbytes > mapped:  # reading past it would fault the context
                 raise TransportError(f"CUDA share ends at {s.offset + s.nbytes}, maps {mapped} B")
             return addr + s.offset
@@ -154,7 +151,13 @@ class Opened:
         except OSError as exc:
             raise TransportError(f"cannot open shared memory {path!r}: {exc}") from exc
         try:
-            _check_file(path, os.fstat(fd), s)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or _ident(st) != s.ident:
+                raise TransportError(f"{path!r} here is not the file P shares (another namespace?)")
+            if s.offset + s.nbytes > st.st_size:  # pages past the end would fault on access
+                raise TransportError(
+                    f"{path!r} has {st.st_size} B, the share ends at {s.offset + s.nbytes}"
+                )
             m = mmap.mmap(fd, s.offset - page + s.nbytes, offset=page)
         except (OSError, ValueError) as exc:
             raise TransportError(f"cannot map {path!r} +{s.offset} {s.nbytes} B: {exc}") from exc
@@ -170,16 +173,6 @@ class Opened:
         for addr in self._cuda.values():
             _cuda_close(addr, self.device)
         self._maps, self._cuda = [], {}
-
-
-def _check_file(path: str, st: os.stat_result, s: Share) -> None:
-    """The file D opened is the one P shared, and holds the whole share."""
-    if not stat.S_ISREG(st.st_mode) or _ident(st) != s.ident:
-        raise TransportError(f"{path!r} here is not the file P shares (another namespace?)")
-    if s.offset + s.nbytes > st.st_size:  # pages past the end would fault on access
-        raise TransportError(
-            f"{path!r} has {st.st_size} B, the share ends at {s.offset + s.nbytes}"
-        )
 
 
 # --- CUDA driver API, through ctypes (present wherever a CUDA GPU is) -----------------
@@ -263,17 +256,6 @@ def _cuda_open(raw: bytes, device: int) -> int:
             cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, ctypes.c_uint(_LAZY_PEER_ACCESS)),
         )
     return int(ptr.value)
-
-
-def _cuda_size(addr: int) -> int:
-    """Bytes of the allocation mapped at ``addr`` (as the driver reports them)."""
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    with _DRIVER_LOCK:
-        rc = _driver().cuMemGetAddressRange_v2(
-            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)
-        )
-    _check("cuMemGetAddressRange", rc)
-    return int(size.value) - (addr - int(base.value))
 
 
 def _cuda_close(addr: int, device: int) -> None:

@@ -11,8 +11,10 @@ transfer counts done).
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -20,7 +22,7 @@ import torch
 
 from kvbridge.errors import PeerError, TransportError
 from kvbridge.layout.tensor import MemKind
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState
+from kvbridge.transport.base import U64, Region, Transport, XferHandle, XferState
 from kvbridge.transport.memory import byte_tensor
 
 
@@ -29,28 +31,22 @@ class _Meta(msgspec.Struct, frozen=True):
     regions: list[tuple[int, int]]
 
 
+@dataclass(eq=False)
 class Fabric:
     """Registry of the loopback agents that can reach each other."""
 
-    def __init__(self) -> None:
-        self.agents: dict[str, LoopbackTransport] = {}
+    agents: dict[str, LoopbackTransport] = field(default_factory=dict)
 
 
-_PROCESS_FABRIC: Fabric | None = None
-
-
+@functools.cache
 def process_fabric() -> Fabric:
     """The fabric of agents made by name (``make_transport("loopback", ...)``)."""
-    global _PROCESS_FABRIC
-    if _PROCESS_FABRIC is None:
-        _PROCESS_FABRIC = Fabric()
-    return _PROCESS_FABRIC
+    return Fabric()
 
 
 class _Handle(XferHandle):
-    def __init__(self, state: XferState, error: str = "") -> None:
+    def __init__(self, state: XferState) -> None:
         self.state = state
-        self.error = error
 
     def release(self) -> None:
         pass
@@ -96,33 +92,17 @@ class LoopbackTransport(Transport):
         self.peers.discard(name)
 
     def read(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle:
         return self._copy(peer, dst=local, src=remote, nbytes=nbytes, notif=notif, pull=True)
 
     def write(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None = None,
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle:
         return self._copy(peer, dst=remote, src=local, nbytes=nbytes, notif=notif, pull=False)
 
     def _copy(
-        self,
-        peer: str,
-        dst: np.ndarray,
-        src: np.ndarray,
-        nbytes: np.ndarray,
-        notif: bytes | None,
-        pull: bool,
+        self, peer: str, dst: U64, src: U64, nbytes: U64, notif: bytes | None, pull: bool
     ) -> XferHandle:
         other = self.fabric.agents.get(peer)
         if peer not in self.peers or other is None:
@@ -136,11 +116,19 @@ class LoopbackTransport(Transport):
         places = list(zip(src_reg.tolist(), dst_reg.tolist(), strict=True))
 
         def run() -> None:
-            if on_device:
-                _torch_copy(src_owner, dst_owner, runs, places)
-            else:
-                for s, d, k in runs:
+            """Copy the runs; with a device side by torch, run ``i`` from ``src_owner``'s
+            region ``places[i][0]`` to ``dst_owner``'s ``places[i][1]`` (synchronised)."""
+            devices: set[torch.device] = set()
+            for (s, d, k), (si, di) in zip(runs, places, strict=True):
+                if not on_device:
                     ctypes.memmove(d, s, k)
+                    continue
+                st, dt = src_owner.tensor(si), dst_owner.tensor(di)
+                so, do = s - src_owner.regions[si].addr, d - dst_owner.regions[di].addr
+                dt[do : do + k].copy_(st[so : so + k])
+                devices.update(t.device for t in (st, dt) if t.is_cuda)
+            for dev in devices:
+                torch.cuda.synchronize(dev)
             if notif is not None:
                 other.inbox.append((self.name, notif))
 
@@ -189,21 +177,3 @@ class LoopbackTransport(Transport):
 
     def close(self) -> None:
         self.fabric.agents.pop(self.name, None)
-
-
-def _torch_copy(
-    src: LoopbackTransport,
-    dst: LoopbackTransport,
-    runs: list[tuple[int, int, int]],
-    places: list[tuple[int, int]],
-) -> None:
-    """Copy ``runs`` (absolute src, dst, bytes) with torch, run ``i`` from ``src``'s region
-    ``places[i][0]`` to ``dst``'s region ``places[i][1]``; synchronised on a GPU."""
-    devices: set[torch.device] = set()
-    for (s, d, k), (si, di) in zip(runs, places, strict=True):
-        st, dt = src.tensor(si), dst.tensor(di)
-        so, do = s - src.regions[si].addr, d - dst.regions[di].addr
-        dt[do : do + k].copy_(st[so : so + k])
-        devices.update(t.device for t in (st, dt) if t.is_cuda)
-    for dev in devices:
-        torch.cuda.synchronize(dev)

@@ -1,22 +1,17 @@
 """Torch access to registered memory, wherever it lives: the device code paths.
 
-A region is host memory or a GPU's (:class:`~kvbridge.layout.tensor.MemKind`, CUDA
-ordinal ``device``). :func:`byte_tensor` gives a 1-D ``uint8`` tensor over
-``[addr, addr + nbytes)`` without copying: a CPU tensor for host memory, a ``cuda:<device>``
-tensor (through ``__cuda_array_interface__``) for device memory. Device copies, staging and
-the loopback transport's device moves all go through it, so they run the same torch code on
-a GPU and, in CI, on the CPU.
-
-A machine without a CUDA device has no device memory. There, and only when
-``KVBRIDGE_DEVICE_ON_CPU=1`` (:func:`kvbridge.envs.device_on_cpu`), a region said to be
-device memory is host memory reached through torch CPU tensors: how the test suite runs
-every device code path without a GPU. Otherwise device regions are refused, with the reason.
+:func:`byte_tensor` views a region as a ``uint8`` tensor without copying (CPU for host
+memory, ``cuda:<device>`` for device memory); device copies, staging and the loopback
+transport's device moves all go through it. Without a CUDA device, and only when
+``KVBRIDGE_DEVICE_ON_CPU=1``, device memory is host memory reached through CPU tensors (how
+the tests run every device path without a GPU); otherwise device regions are refused.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -53,19 +48,6 @@ def torch_device(kind: MemKind, device: int = 0) -> torch.device:
     )
 
 
-class _CudaBytes:
-    """What ``torch.as_tensor`` needs to see raw device memory as a ``uint8`` vector."""
-
-    def __init__(self, addr: int, nbytes: int):
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (addr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 def byte_tensor(region: Region) -> torch.Tensor:
     """A ``uint8`` tensor of ``region.nbytes`` bytes aliasing ``region`` (no copy).
 
@@ -74,7 +56,9 @@ def byte_tensor(region: Region) -> torch.Tensor:
     if region.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=dev)
     if dev.type == "cuda":
-        t = torch.as_tensor(_CudaBytes(region.addr, region.nbytes), device=dev)
+        raw = {"shape": (region.nbytes,), "typestr": "|u1", "data": (region.addr, False)}
+        interface = {**raw, "version": 3, "strides": None}  # what torch reads device bytes by
+        t = torch.as_tensor(SimpleNamespace(__cuda_array_interface__=interface), device=dev)
         if t.data_ptr() != region.addr or t.device != dev:  # a copy, not the memory itself
             raise TransportError(
                 f"torch made a copy of {region.addr:#x} +{region.nbytes} B on {t.device}, "

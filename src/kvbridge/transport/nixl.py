@@ -119,34 +119,25 @@ class NixlTransport(Transport):
         self._places = Places(np.zeros((0, 4), np.uint64))
         self._peer_places: dict[str, Places] = {}
         self._closed = False
-        self._agent = self._make_agent(name, delay)
-        self.kinds = self._moves(self._agent)
-
-    @staticmethod
-    def _moves(agent: Any) -> frozenset[MemKind]:
-        """Host memory, and device memory where UCX here handles VRAM and a GPU is seen."""
-        try:
-            segs = {str(t) for t in agent.get_backend_mem_types("UCX")}
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot read UCX memory types: {exc!r}") from exc
-        vram = any("VRAM" in t for t in segs) and cuda_available()
-        return frozenset({MemKind.HOST, MemKind.DEVICE} if vram else {MemKind.HOST})
-
-    @staticmethod
-    def _make_agent(name: str, delay_us: int) -> Any:
-        """The wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
-        binding agent made from our config, then instantiate UCX on that (~0.4 s)."""
+        # NIXL's wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
+        # binding agent made from our config, then instantiate UCX on that (~0.4 s).
         cfg = _nb.nixlAgentConfig()
-        cfg.useProgThread, cfg.pthrDelay = True, delay_us
+        cfg.useProgThread, cfg.pthrDelay = True, delay
         cfg.useListenThread, cfg.captureTelemetry = False, False
         cfg.syncMode = _nb.NIXL_THREAD_SYNC_RW
         try:
-            agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-            agent.agent = _nb.nixlAgent(name, cfg)
-            agent.create_backend("UCX", {})
+            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+            self._agent.agent = _nb.nixlAgent(name, cfg)
+            self._agent.create_backend("UCX", {})
         except _CAUGHT as exc:
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc!r}") from exc
-        return agent
+        try:
+            segs = {str(t) for t in self._agent.get_backend_mem_types("UCX")}
+        except _CAUGHT as exc:
+            raise TransportError(f"cannot read UCX memory types: {exc!r}") from exc
+        # device memory where UCX here handles VRAM and this process sees a GPU
+        vram = any("VRAM" in t for t in segs) and cuda_available()
+        self.kinds = frozenset({MemKind.HOST, MemKind.DEVICE} if vram else {MemKind.HOST})
 
     def _check_open(self) -> Any:
         if self._closed:
@@ -154,8 +145,7 @@ class NixlTransport(Transport):
         return self._agent
 
     def register(self, regions: list[Region]) -> bytes:
-        """Register memory regions (host: ``DRAM_SEG``, device: ``VRAM_SEG`` with the
-        GPU's index); returns :meth:`metadata` (bytes) for peers."""
+        """Register memory regions; returns :meth:`metadata` for peers."""
         agent = self._check_open()
         self.check_kinds(regions)
         if not regions or any(r.nbytes == 0 for r in regions):
@@ -243,40 +233,31 @@ class NixlTransport(Transport):
     def read(
         self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
     ) -> NixlXferHandle:
-        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``.
-
-        Byte addresses in registered memory; the copy may finish in this call. ``notif``
-        (``None``/``b""``: none) reaches the peer after the data. :class:`TransportError`
-        for a run outside registered memory (nothing copied), an unknown or dead peer."""
-        return self._post("READ", peer, local, remote, nbytes, notif)
+        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``; the
+        copy may finish in this call. :class:`TransportError` for a run outside registered
+        memory (nothing copied), an unknown or dead peer."""
+        return self._post("READ", peer, (local, remote, nbytes), notif)
 
     def write(
         self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
     ) -> NixlXferHandle:
-        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer).
+        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer)."""
+        return self._post("WRITE", peer, (local, remote, nbytes), notif)
 
-        As :meth:`read`; the notification reaches the peer after the data landed."""
-        return self._post("WRITE", peer, local, remote, nbytes, notif)
-
-    def _runs(self, op: str, peer: str, *arrays: object) -> tuple[np.ndarray, ...]:
-        """Checked ``(local, remote, nbytes)`` uint64 arrays for ``op`` with ``peer``."""
+    def _post(
+        self, op: str, peer: str, arrays: tuple[_U64, _U64, _U64], notif: bytes | None
+    ) -> NixlXferHandle:
+        """Check the runs, build both descriptor lists and post one request."""
+        agent = self._check_open()
         loc, rem, size = (
-            as_u64(n, a) for n, a in zip(("local", "remote", "nbytes"), arrays, strict=True)
+            as_u64(n, a) for n, a in zip(["local", "remote", "nbytes"], arrays, strict=True)
         )
         if not loc.shape == rem.shape == size.shape:
-            msg = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
-            raise TransportError(f"{op} with {peer!r}: need equal lengths, got {msg}")
+            shapes = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
+            raise TransportError(f"{op} with {peer!r}: need equal lengths, got {shapes}")
         with self._lock:
             if peer not in self._peers:
                 raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
-        return loc, rem, size
-
-    def _post(
-        self, op: str, peer: str, local: object, remote: object, nbytes: object, notif: bytes | None
-    ) -> NixlXferHandle:
-        """Validate the runs, build both descriptor lists and post one request."""
-        agent = self._check_open()
-        loc, rem, size = self._runs(op, peer, local, remote, nbytes)
         msg, runs, total = bytes(notif or b""), int(size.shape[0]), int(size.sum(dtype=np.uint64))
         if runs == 0:  # NIXL cannot build an empty request
             try:
@@ -298,10 +279,7 @@ class NixlTransport(Transport):
                 f"{op} of {runs} runs ({total} B) with {peer!r} refused: {exc!r} "
                 "(NOT_FOUND: a run outside registered memory)"
             ) from exc
-        return self._start(op, xfer, peer, runs, total)
-
-    def _start(self, op: str, xfer: Any, peer: str, runs: int, total: int) -> NixlXferHandle:
-        agent, handle = self._check_open(), NixlXferHandle(self, xfer, peer, runs, total)
+        handle = NixlXferHandle(self, xfer, peer, runs, total)
         with self._lock:
             self._live.add(handle)
         try:

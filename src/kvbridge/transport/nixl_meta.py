@@ -1,9 +1,10 @@
 """The checked envelope around a NIXL agent's metadata, and where its memory is.
 
-Peers exchange NIXL metadata over the side channel; kvbridge wraps it (:func:`seal`) with
-the agent's name, its region table (so a descriptor into the peer's memory names the right
-segment type and device) and a digest, and refuses a damaged one (:func:`unseal`) before
-NIXL sees it.
+The envelope (:func:`seal`): header (magic+version, name and blob lengths), name, NIXL
+blob, the agent's region table (``(addr, nbytes, kind code, device)`` uint64 rows: which
+segment type and device a descriptor into its memory names), BLAKE2b digest. A damaged
+one is refused (:func:`unseal`) before NIXL sees it: a blob a byte short half-loads and
+the name stays unusable in this process (NIXL_ERR_INVALID_PARAM even after removal).
 """
 
 from __future__ import annotations
@@ -17,13 +18,6 @@ from kvbridge.errors import PeerError, TransportError
 from kvbridge.layout.tensor import MemKind, Region
 
 KIND_CODE = {MemKind.HOST: 0, MemKind.DEVICE: 1}
-
-
-# Metadata envelope: header (magic+version, name and blob lengths), name, NIXL blob,
-# the agent's region table (``(addr, nbytes, kind code, device)`` uint64 rows: which
-# segment type and device a descriptor into its memory names), BLAKE2b digest. NIXL must
-# never see a damaged blob: one a byte short half-loads and the name stays unusable in
-# this process (NIXL_ERR_INVALID_PARAM even after removal).
 _MAGIC = b"KVBNIXL2"
 _HEAD = struct.Struct("<8sHI")
 _DIGEST_BYTES = 16
@@ -39,8 +33,7 @@ def seal(name: str, blob: bytes, table: np.ndarray) -> bytes:
 
 
 def unseal(data: object) -> tuple[str, bytes, np.ndarray]:
-    """``(agent name, NIXL blob, region table)`` from an envelope; :class:`PeerError` if
-    damaged."""
+    """``(agent name, NIXL blob, region table)``; :class:`PeerError` if damaged."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise PeerError(f"peer metadata must be bytes, got {type(data).__name__}")
     md = bytes(data)
@@ -81,12 +74,14 @@ class Places:
         A start in no region is described as host memory (NIXL then refuses it as
         outside registered memory); runs of one post must share one kind."""
         t = self.table
+        if not t.size:
+            return MemKind.HOST, np.zeros(addrs.shape[0], np.uint64)
         idx = np.searchsorted(t[:, 0], addrs, side="right").astype(np.int64) - 1
         inside = idx >= 0
         inside[inside] = addrs[inside] < t[idx[inside], 0] + t[idx[inside], 1]
-        codes = np.where(inside, t[np.maximum(idx, 0), 2], 0) if t.size else idx * 0
-        devs = np.where(inside, t[np.maximum(idx, 0), 3], 0) if t.size else idx * 0
-        kinds = np.unique(codes[inside]) if t.size else codes[:0]
+        codes = np.where(inside, t[np.maximum(idx, 0), 2], 0)
+        devs = np.where(inside, t[np.maximum(idx, 0), 3], 0)
+        kinds = np.unique(codes[inside])
         if kinds.shape[0] > 1:
             raise TransportError(f"{what} runs lie in host and device memory: post them apart")
         kind = MemKind.DEVICE if kinds.shape[0] and int(kinds[0]) == 1 else MemKind.HOST
