@@ -13,16 +13,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from kvbridge.adapter.handles import decode_handle
-from kvbridge.api import KVBridgeError, Outcome, Policy, PromptMismatch, TransferHandle
+from kvbridge.api import KVBridgeError, Outcome, Policy, PromptMismatch, Tables, TransferHandle
 
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
-    """D: load ``handle``'s tokens beyond ``cached`` into local ``tables`` (per group)."""
+    """D: load ``handle``'s tokens beyond ``cached`` into local ``tables`` (per group;
+    checked where the engine hands them over, :func:`~kvbridge.api.checked_tables`)."""
 
     request_id: str
     handle: str
-    tables: list[list[int]]
+    tables: Tables
     cached: int
     refused: str = ""
     """Why the scheduler refused the handle (e.g. it holds another prompt's KV): the

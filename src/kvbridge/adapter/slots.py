@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvbridge.api import Tables
+
 
 def state_tables(
-    tables: list[list[int]], state_blocks: Mapping[int, int], mode: str, n_computed: int
-) -> list[list[int]]:
-    """Per-group block lists with each state group ``g`` (``state_blocks[g]``: its block
-    size in tokens) cut to its one state slot: the block holding the running state after
+    tables: Tables, state_blocks: Mapping[int, int], mode: str, n_computed: int
+) -> Tables:
+    """``tables`` with each state group ``g`` (``state_blocks[g]``: its block size in
+    tokens) cut to its one state slot: the block holding the running state after
     ``n_computed`` tokens, block 0 in ``mode`` ``"none"`` and block ``(n-1) // size``
     in ``"align"`` (earlier entries: null or checkpoints). A group whose slot is missing
-    (a null block, a short list) gets an empty table, which the plan refuses: that
-    request fails alone."""
+    (a null block, a short table) gets an empty table, which the plan refuses: that
+    request fails alone. Checked tables stay checked (a slice of their ids)."""
     if not state_blocks:
         return tables
-    out = list(tables)
+    ids = list(tables.ids)
     for g, bs in state_blocks.items():
         i = 0 if mode == "none" else max(n_computed - 1, 0) // bs
-        tab = tables[g] if g < len(tables) else []
-        out[g] = [tab[i]] if i < len(tab) and tab[i] != 0 else []
-    return out
+        tab = ids[g]
+        ids[g] = tab[i : i + 1] if i < len(tab) and tab[i] != 0 else tab[:0]
+    return Tables(tuple(ids), tables.limits, tables.seal)

@@ -23,7 +23,7 @@ TP rank's shards ``x|B|C`` (Mamba-2) or ``q|k|v`` (GDN), then the SSM / recurren
 per request): with prefix caching (``mamba_cache_mode="align"``) a request that computed
 ``n`` tokens keeps its running state in block ``(n-1) // block_size`` of its Mamba block
 table (earlier entries are null or checkpoints); without it (``"none"``) in block 0.
-:meth:`VllmCache.state_tables` picks that slot on P and on D.
+:meth:`VllmCache.tables` picks that slot on P and on D.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvbridge.adapter import state_tables
 from kvbridge.api import (
     ConfigError,
@@ -41,11 +43,14 @@ from kvbridge.api import (
     Layer,
     ModelSpec,
     Parallel,
+    PlanError,
     RankLayout,
     RegionSet,
+    Tables,
     TensorDesc,
     View,
     attention,
+    checked_tables,
     mla,
     parse_dtype,
     shard_interval,
@@ -72,6 +77,8 @@ class VllmCache:
     par: Parallel
     layer_names: dict[str, int]
     """vLLM attention layer name → kvbridge layer index."""
+    num_blocks: int
+    """Blocks in vLLM's pool (every group's ids come from it)."""
     state_blocks: dict[int, int] = field(default_factory=dict)
     """Spec group index → vLLM block size (tokens per block) of each Mamba group."""
     state_mode: str = "none"
@@ -86,11 +93,18 @@ class VllmCache:
     """vLLM layer name → its own vLLM spec (a group's ``UniformTypeKVCacheSpecs`` gives
     one per layer): what :mod:`~kvbridge.integrations.vllm.gpu_layout` checks views against."""
 
-    def state_tables(self, tables: list[list[int]], n_computed: int) -> list[list[int]]:
-        """vLLM's per-group block lists with each Mamba group cut to its one state slot
-        (:func:`kvbridge.adapter.state_tables`): that request fails alone if a slot is
-        missing, by policy, as vLLM wants for Mamba groups."""
-        return state_tables(tables, self.state_blocks, self.state_mode, n_computed)
+    def tables(self, block_ids: Any, n_computed: int) -> Tables:
+        """vLLM's per-group block ids as :class:`Tables`, checked here against the pool,
+        each Mamba group cut to its one state slot (:func:`kvbridge.adapter.state_tables`:
+        that request fails alone if a slot is missing, by policy, as vLLM wants for Mamba
+        groups). Ids this check refuses go on unsealed: the rank's own check refuses them
+        again, so that load alone fails, as any load of bad ids does."""
+        limits = (self.num_blocks,) * len(block_ids)
+        try:
+            tabs = checked_tables(block_ids, limits, "vLLM's block tables")
+        except PlanError:
+            tabs = Tables(tuple(np.array(t, dtype=np.int64) for t in block_ids), limits)
+        return state_tables(tabs, self.state_blocks, self.state_mode, n_computed)
 
 
 def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
@@ -131,7 +145,17 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
     if state_blocks and mode not in ("none", "align"):
         raise ConfigError(f"mamba_cache_mode {mode!r}: the vLLM connector supports none, align")
-    return VllmCache(spec, par, names, state_blocks, mode, dim_first, state_shapes, kv_specs)
+    return VllmCache(
+        spec,
+        par,
+        names,
+        int(kv_cache_config.num_blocks),
+        state_blocks,
+        mode,
+        dim_first,
+        state_shapes,
+        kv_specs,
+    )
 
 
 def _layer(index: int, cs: Any, kv_heads: int) -> Layer:

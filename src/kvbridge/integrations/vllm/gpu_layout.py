@@ -49,6 +49,7 @@ from kvbridge.api import (
     Parallel,
     RankLayout,
     RegionSet,
+    Tables,
     TensorDesc,
     View,
     shard_interval,
@@ -284,18 +285,20 @@ def _group_blocks(
     return tuple(groups), tuple(splits), tuple(counts)
 
 
-def kernel_tables(
-    tables: Sequence[list[int]], splits: Sequence[int]
-) -> list[list[int] | np.ndarray]:
+def kernel_tables(tables: Tables, splits: Sequence[int]) -> Tables:
     """vLLM's per-group block ids as described block ids: id ``b`` of a group split in
     ``s`` kernel blocks becomes ``b·s, …, b·s + s - 1`` (as vLLM's
     ``AttentionGroup.map_to_kernel_block_table``, ``vllm/v1/worker/utils.py``, maps them
-    for its kernels). A group of split 1 keeps its list; a split one becomes an int64
-    array (mapped by numpy, with no Python step per block), as the planner keeps it."""
-    return [
-        tab if s == 1 else (np.asarray(tab, dtype=np.int64)[:, None] * s + np.arange(s)).ravel()
-        for tab, s in zip(tables, splits, strict=True)
-    ]
+    for its kernels), by numpy. Ids checked against ``n`` blocks stay checked, against
+    ``n·s``."""
+    ids = []
+    for tab, s in zip(tables.ids, splits, strict=True):
+        if s > 1:
+            tab = (tab[:, None] * s + np.arange(s)).ravel()
+            tab.flags.writeable = False
+        ids.append(tab)
+    limits = tuple(n * s for n, s in zip(tables.limits, splits, strict=False))
+    return Tables(tuple(ids), limits, tables.seal)
 
 
 def table_splits(spec: ModelSpec, block_sizes: Sequence[int]) -> tuple[int, ...]:

@@ -95,9 +95,7 @@ class SchedulerSide:
             return False, None
         if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
             return False, None  # aborted or never prefilled: nothing for D
-        ids = self.cache.state_tables(
-            [list(map(int, b)) for b in block_ids], request.num_prompt_tokens
-        )
+        ids = self.cache.tables(block_ids, request.num_prompt_tokens)
         tables = kernel_tables(ids, self.splits)
         n, prompt = request.num_prompt_tokens, getattr(request, "prompt_token_ids", None)
         handle = self.producer.prefill_done(request.request_id, tables, n, prompt=prompt)
@@ -143,7 +141,7 @@ class SchedulerSide:
             self.requests.release(request.request_id, "" if refused else str(text))
             return
         n = _tokens(request, handle)
-        tables = self.cache.state_tables([list(map(int, g)) for g in blocks.get_block_ids()], n)
+        tables = self.cache.tables(blocks.get_block_ids(), n)
         job = LoadJob(request.request_id, str(text), tables, n - num_external, refused)
         self.requests.load(job)
 
