@@ -1,30 +1,10 @@
 """vLLM's KV cache as kvbridge sees it: a :class:`ModelSpec` from the cache groups and a
-:class:`RankLayout` over the tensors vLLM allocated (described, never copied).
-
-vLLM's CPU attention cache (backend ``CPU_ATTN``, kernels ``vec``/``vec16``) is one tensor
-per layer, declared ``[blocks, kv_heads, block, 2·head]``; its kernels keep, per block and
-KV head, K **transposed** then V (measured by writing known keys through
-``cpu_attn_reshape_and_cache``)::
-
-    block b ─┬─ head h ─┬─ K: head_size rows of block_size tokens   [head][token]
-             │          └─ V: block_size rows of head_size          [token][head]
-             └─ head h+1 …
-
-so K is described with axes ``BHDT`` (a head's elements a block apart) and V ``BHTD``.
-Layers of different groups may alias one allocation (vLLM gives a block id to one group
-at a time), so the regions are the storages, and every group shares one pool of ids.
-
-Mamba-2 and Gated DeltaNet layers (``MambaSpec``, one group per layer position) keep, per
-block of the same pool (the page padded to the attention page), two tensors: the conv
-state ``[kernel-1, channels]`` (layout ``SD``, vLLM's CPU default with this connector;
-``[channels, kernel-1]`` under ``VLLM_SSM_CONV_STATE_LAYOUT=DS``) whose channels are the
-TP rank's shards ``x|B|C`` (Mamba-2) or ``q|k|v`` (GDN), then the SSM / recurrent state
-``[heads, …]`` at the page offset right after it. They are kvbridge state groups (one slot
-per request): with prefix caching (``mamba_cache_mode="align"``) a request that computed
-``n`` tokens keeps its running state in block ``(n-1) // block_size`` of its Mamba block
-table (earlier entries are null or checkpoints); without it (``"none"``) in block 0.
-:meth:`VllmCache.tables` picks that slot on P and on D.
-"""
+:class:`RankLayout` over vLLM's CPU attention tensors, described in place (docs/vllm.md,
+"vLLM's CPU cache, as measured": K transposed per block, described ``BHDT``, V ``BHTD``;
+the regions are the storages, which layers of several groups alias, so every group
+shares one pool of ids). Mamba-2 and Gated DeltaNet layers are state groups of one slot
+per request (:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables` picks
+that slot on P and on D."""
 
 from __future__ import annotations
 
@@ -45,7 +25,6 @@ from kvbridge.api import (
     Parallel,
     PlanError,
     RankLayout,
-    RegionSet,
     Tables,
     TensorDesc,
     View,
@@ -56,6 +35,7 @@ from kvbridge.api import (
     shard_interval,
     tensor_views,
 )
+from kvbridge.integrations.vllm.gpu_layout import storage_regions
 from kvbridge.integrations.vllm.state import conv_dim_first, state_descs, state_layer, state_views
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -190,11 +170,7 @@ def cpu_layout(
     cache: VllmCache, tp_rank: int, kv_caches: Mapping[str, Any]
 ) -> tuple[RankLayout, list[int]]:
     """The layout of vLLM's CPU attention tensors on ``tp_rank``; returns it and region bases."""
-    regions = RegionSet()
-    for t in kv_caches.values():
-        for x in t if isinstance(t, (list, tuple)) else [t]:
-            st = x.untyped_storage()
-            regions.add(st.data_ptr(), st.nbytes())
+    regions = storage_regions(kv_caches)
     views: list[View] = []
     spec = cache.spec
     for name, t in kv_caches.items():
@@ -206,7 +182,8 @@ def cpu_layout(
             descs = state_descs(name, t, shapes, dtypes, cache.conv_dim_first)
             views += state_views(spec.layers[i], name, descs, cache.par.tp, tp_rank, regions)
             continue
-        heads = _heads(spec, i, cache.par, tp_rank)
+        seg = spec.layers[i].streams[0].segments[0]
+        heads = shard_interval(seg.units, cache.par.tp, tp_rank)
         k, v = _cpu_attn_descs(name, t)
         views += tensor_views(i, k, ("k",), heads, regions)
         views += tensor_views(i, v, ("v",), heads, regions)
@@ -221,11 +198,6 @@ def cpu_layout(
         (0,) * len(spec.groups),
     )
     return layout, list(regions.bases)
-
-
-def _heads(spec: ModelSpec, layer: int, par: Parallel, tp_rank: int) -> tuple[int, int]:
-    seg = spec.layers[layer].streams[0].segments[0]
-    return shard_interval(seg.units, par.tp, tp_rank)
 
 
 def _cpu_attn_descs(name: str, t: Any) -> tuple[TensorDesc, TensorDesc]:

@@ -1,34 +1,7 @@
-"""vLLM's GPU KV caches described in place, from the logical view vLLM itself makes.
-
-vLLM 0.32 places every cache in one logical byte space ``[L, B, H, N, C]`` (layers, blocks,
-head slots, states per block, content bytes; ``vllm/v1/kv_cache_interface.py``:
-``compute_layer_kv_cache_shape_bytes``, ``compute_layout_strides``). The layout,
-``VLLM_KV_CACHE_LAYOUT`` (``vllm/v1/kv_cache_layout.py``, ``KVCacheLayout``), is only the
-order of those axes in memory: ``LBHNC``, ``LBNHC``, ``LHBNC`` (layer outermost) and
-``BLHNC``, ``BLNHC``, ``BHLNC`` (block outermost: a block holds every layer's page). Pages
-may be padded (``page_size_padded``), and the groups of a hybrid model alias one
-allocation. ``create_kv_cache_views`` (called by ``vllm/v1/worker/utils.py``,
-``allocate_kv_cache``) gives every layer one strided 4-D view ``[B, H, N, C]`` of the int8
-buffer, in the spec's dtype; that dict is what ``register_kv_caches`` receives:
-
-- attention: ``C`` = K then V of one head and token (``head_size + head_size_v``
-  elements; the backends split it there, e.g. ``flash_attn.py``:
-  ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``);
-- MLA (``MLAAttentionSpec``, ``head_size_v = 0``): ``H = 1``, ``C`` = one latent;
-- Mamba-2 / Gated DeltaNet (``MambaSpec``): int8 ``[B, 1, 1, C]``; each page holds the
-  conv state then the SSM state, dense (``MambaBase.bind_kv_cache``), conv
-  ``[kernel-1, channels]`` (``SD``) or ``[channels, kernel-1]`` (``DS``), chosen by
-  ``VLLM_SSM_CONV_STATE_LAYOUT`` (``mamba_utils.get_conv_state_layout``).
-
-Where a backend takes smaller blocks than the allocator (``kernel_block_size``), B counts
-kernel blocks, ``block_size / N`` per vLLM block. A vLLM block's tokens are then one stride
-apart only if ``N`` is the outer axis of a kernel page (``LBNHC``); otherwise (``LBHNC``)
-kvbridge describes kernel blocks, and vLLM block ``b`` is kernel blocks ``b·split …
-b·split + split - 1`` (:func:`kernel_tables`).
-
-Strides are always read from the tensor; a layout name, when given, only cross-checks their
-order. Nothing is copied.
-"""
+"""vLLM's GPU KV caches described in place, from the logical ``[B, H, N, C]`` view of
+each layer vLLM itself makes (docs/vllm.md, "vLLM's GPU cache, as described"). Strides
+are read from the tensor; a layout name, when given, only cross-checks their order.
+Nothing is copied."""
 
 from __future__ import annotations
 
