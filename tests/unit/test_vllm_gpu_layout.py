@@ -51,7 +51,7 @@ from kvbridge.api import (
     checked_tables,
     mla,
 )
-from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, GpuLayout, gpu_rank_layout, kernel_tables
+from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement, gpu_rank_layout, kernel_tables
 from kvbridge.integrations.vllm.state import state_layer
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
 
@@ -150,7 +150,7 @@ def kb_spec(kind: str, block: int) -> ModelSpec:
     return ModelSpec("t", layers, (Group("g0", (0, 1), block),))
 
 
-def describe(kind: str, eng: Engine, tp: int, rank: int, layout: str) -> GpuLayout:
+def describe(kind: str, eng: Engine, tp: int, rank: int, layout: str) -> Placement:
     """kvbridge's layout of one vLLM rank (``layout``: cross-checked against the strides)."""
     caches, specs = eng
     spec = kb_spec(kind, next(iter(specs.values())).block_size)
@@ -222,7 +222,7 @@ def test_bad_views_are_refused() -> None:
         gpu_rank_layout(kb_spec("kv", 32), par, 0, caches, specs, names)
 
 
-def hybrid(kind: str, conv: str, layout: str, tp: int, rank: int = 0) -> tuple[Engine, GpuLayout]:
+def hybrid(kind: str, conv: str, layout: str, tp: int, rank: int = 0) -> tuple[Engine, Placement]:
     """Layers 0, 1: Mamba-2 or GDN state (page padded to the attention page); 2, 3:
     attention, blocks of 32; the two groups alias one allocation, as in vLLM."""
     calc = mamba_utils.MambaStateShapeCalculator  # conv [rows, ch] or, DS, [ch, rows]

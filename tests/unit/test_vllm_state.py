@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from kvbridge.api import checked_tables  # noqa: E402
 from kvbridge.errors import ConfigError, PlanError  # noqa: E402
 from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout, read_cache  # noqa: E402
+from kvbridge.integrations.vllm.state import state_shapes  # noqa: E402
 from kvbridge.plan.geometry import Geometry, Side  # noqa: E402
 from kvbridge.plan.pattern import Bound  # noqa: E402
 from kvbridge.spec.build import attention, gated_deltanet, mamba2  # noqa: E402
@@ -138,7 +139,7 @@ class Rank:
     def state(self, layer: int) -> tuple[Any, Any]:
         """Conv ``[blocks, rows, channels]`` and SSM ``[blocks, heads, …]`` over the pages
         (vLLM's own arithmetic: conv at page offset 0, SSM right after it)."""
-        shapes, _ = self.cache.state_shapes[layer]
+        shapes, _ = state_shapes(self.cache.kv_specs[f"m.layers.{layer}.m"])
         f = self.buf.view(torch.int32)  # fp32 state compared as bits (random bytes: NaNs)
         conv_n = int(np.prod(shapes[0]))
         conv = f[:, :conv_n].unflatten(1, shapes[0])

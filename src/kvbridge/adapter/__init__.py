@@ -3,10 +3,10 @@ between its own hooks and :mod:`kvbridge.api`.
 
     handles.py   the handle codec (text in a request's transfer params, or bytes) and
                  the prompt check D makes before a load
-    jobs.py      the job record (:class:`LoadJob`), a failed load's :class:`Outcome`,
-                 the handle ↔ request bookkeeping of the scheduler (:class:`Requests`)
-                 and of a D rank (:class:`Loading`)
-    slots.py     the state-slot choice: which block holds a state group's running state
+    jobs.py      the job record (:class:`LoadJob`), its tables (:func:`state_tables`:
+                 the block holding a state group's running state), a failed load's
+                 :class:`Outcome`, the handle ↔ request bookkeeping of the scheduler
+                 (:class:`Requests`) and of a D rank (:class:`Loading`)
     metrics.py   the outcome → metrics schema: one table (:func:`metrics`) drives the
                  per-load observation, its summary and an engine's metric objects
 
@@ -17,7 +17,7 @@ that engine's hooks. Nothing here imports an engine, torch or numpy.
 """
 
 from kvbridge.adapter.handles import HANDLE_KEY, decode_handle, encode_handle, refusal
-from kvbridge.adapter.jobs import Loading, LoadJob, Requests, failure
+from kvbridge.adapter.jobs import Loading, LoadJob, Requests, failure, state_tables
 from kvbridge.adapter.metrics import (
     Metric,
     Tally,
@@ -28,7 +28,6 @@ from kvbridge.adapter.metrics import (
     register_metric,
     summed,
 )
-from kvbridge.adapter.slots import state_tables
 
 __all__ = [
     "HANDLE_KEY",

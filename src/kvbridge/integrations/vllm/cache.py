@@ -36,7 +36,13 @@ from kvbridge.api import (
     tensor_views,
 )
 from kvbridge.integrations.vllm.gpu_layout import storage_regions
-from kvbridge.integrations.vllm.state import conv_dim_first, state_descs, state_layer, state_views
+from kvbridge.integrations.vllm.state import (
+    conv_dim_first,
+    state_descs,
+    state_layer,
+    state_shapes,
+    state_views,
+)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -65,10 +71,6 @@ class VllmCache:
     """vLLM's ``mamba_cache_mode`` (``"align"`` with prefix caching, ``"none"`` without)."""
     conv_dim_first: bool = False
     """Conv state stored ``[channels, kernel-1]`` (vLLM's ``DS``) rather than ``SD``."""
-    state_shapes: dict[int, tuple[tuple[tuple[int, ...], ...], tuple[Any, ...]]] = field(
-        default_factory=dict
-    )
-    """Mamba layer index → vLLM's per-rank state ``(shapes, dtypes)`` (conv, then SSM)."""
     kv_specs: dict[str, Any] = field(default_factory=dict)
     """vLLM layer name → its own vLLM spec (a group's ``UniformTypeKVCacheSpecs`` gives
     one per layer): what :mod:`~kvbridge.integrations.vllm.gpu_layout` checks views against."""
@@ -96,7 +98,7 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     dim_first = conv_dim_first()
     layers: dict[int, Layer] = {}
-    groups, names, state_blocks, state_shapes, kv_specs = [], {}, {}, {}, {}
+    groups, names, state_blocks, kv_specs = [], {}, {}, {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         cs = group.kv_cache_spec
         per_layer = getattr(cs, "kv_cache_specs", None) or {}
@@ -105,8 +107,6 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
             i, ls = layer_index(name), per_layer.get(name, cs)
             if type(ls).__name__ == "MambaSpec":
                 layers[i] = state_layer(i, ls, par.tp, dim_first)
-                shapes = tuple(tuple(int(x) for x in sh) for sh in ls.shapes)
-                state_shapes[i] = (shapes, tuple(ls.dtypes))
             else:
                 layers[i] = _layer(i, ls, kv_heads)
             names[name], kv_specs[name] = i, ls
@@ -133,7 +133,6 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
         state_blocks,
         mode,
         dim_first,
-        state_shapes,
         kv_specs,
     )
 
@@ -178,7 +177,7 @@ def cpu_layout(
         if i is None:
             raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
         if spec.layers[i].kind is Kind.STATE:
-            shapes, dtypes = cache.state_shapes[i]
+            shapes, dtypes = state_shapes(cache.kv_specs[name])
             descs = state_descs(name, t, shapes, dtypes, cache.conv_dim_first)
             views += state_views(spec.layers[i], name, descs, cache.par.tp, tp_rank, regions)
             continue

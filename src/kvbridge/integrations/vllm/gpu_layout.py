@@ -28,7 +28,7 @@ from kvbridge.api import (
     shard_interval,
     tensor_views,
 )
-from kvbridge.integrations.vllm.state import state_descs, state_views
+from kvbridge.integrations.vllm.state import state_descs, state_shapes, state_views
 
 KV = ("k", "v")
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -49,15 +49,18 @@ class GpuDescs:
 
 
 @dataclass(frozen=True, slots=True)
-class GpuLayout:
-    """A rank's layout over vLLM's tensors; ``bases``: region base addresses (bytes)."""
+class Placement:
+    """One worker's KV memory as registered: ``bases[i]`` (bytes) holds
+    ``layout.regions[i]`` bytes of ``memory`` on GPU ``device`` (0 for host memory)."""
 
     layout: RankLayout
     bases: list[int]
     spec: ModelSpec
-    """The model spec with each group's block size as described (planning takes this one)."""
+    """The spec as described: each group's block size is the layout's (planning takes it)."""
     splits: tuple[int, ...]
-    """Per spec group: described blocks per vLLM block (see :func:`kernel_tables`)."""
+    """Per group: described blocks per vLLM block (see :func:`kernel_tables`)."""
+    memory: MemKind = MemKind.HOST
+    device: int = 0
 
 
 def check_order(name: str, shape: Sequence[int], strides: Sequence[int], layout: str) -> None:
@@ -126,8 +129,7 @@ def state_gpu_descs(
     """Conv and SSM / recurrent state of a ``MambaSpec`` layer from its int8 page view
     ``[B, 1, 1, C]`` (``dim_first``: conv kept ``[channels, kernel-1]``, vLLM's ``DS``)."""
     (_, heads, rows, content), _ = _dims(name, t, layout)
-    shapes = tuple(tuple(int(x) for x in s) for s in spec.shapes)
-    dtypes = tuple(spec.dtypes)
+    shapes, dtypes = state_shapes(spec)
     if len(shapes) != 2 or len(dtypes) != 2:
         raise ConfigError(f"{name}: {len(shapes)} state tensors {shapes}; expected conv, ssm")
     need = sum(
@@ -209,15 +211,15 @@ def gpu_rank_layout(
     layer_names: Mapping[str, int],
     layout: str | None = None,
     dim_first: bool = False,
-    regions: RegionSet | None = None,
-) -> GpuLayout:
+    memory: MemKind = MemKind.HOST,
+) -> Placement:
     """The :class:`RankLayout` of ``kv_caches`` (vLLM layer name → its view, as
     ``register_kv_caches`` gets them; ``kv_specs``: name → vLLM spec; ``layer_names``: name
     → kvbridge layer of ``spec``, whose groups have vLLM's block sizes). Where vLLM keeps
     kernel blocks whose tokens do not continue each other, the group is described in kernel
-    blocks: :attr:`GpuLayout.spec` says so, and :func:`kernel_tables` maps block ids. Groups
+    blocks: :attr:`Placement.spec` says so, and :func:`kernel_tables` maps block ids. Groups
     of one split share one pool of block ids, as vLLM's groups do."""
-    regions = storage_regions(kv_caches) if regions is None else regions
+    regions = storage_regions(kv_caches, memory)
     views: list[View] = []
     blocks: dict[int, tuple[int, int]] = {}
     for name, t in kv_caches.items():
@@ -235,7 +237,8 @@ def gpu_rank_layout(
     sizes = tuple(g.block_size for g in groups)
     rank = RankLayout(regions.sizes, tuple(views), sizes, counts, pools)
     described = ModelSpec(spec.name, spec.layers, groups)
-    return GpuLayout(rank, list(regions.bases), described, splits)
+    device = regions.regions[0].device if regions.regions else 0
+    return Placement(rank, list(regions.bases), described, splits, memory, device)
 
 
 def _group_blocks(

@@ -55,6 +55,11 @@ def state_layer(index: int, cs: Any, tp: int, conv_dim_first: bool) -> Layer:
     raise ConfigError(f"layer {index}: vLLM Mamba state {kind} of shapes {cs.shapes} not supported")
 
 
+def state_shapes(cs: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[Any, ...]]:
+    """A ``MambaSpec``'s per-rank state shapes and dtypes (conv, then SSM)."""
+    return tuple(tuple(int(x) for x in s) for s in cs.shapes), tuple(cs.dtypes)
+
+
 def state_descs(
     name: str, t: Any, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...], dim_first: bool
 ) -> list[TensorDesc]:

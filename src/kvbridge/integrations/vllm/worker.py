@@ -26,9 +26,8 @@ from kvbridge.api import (
 )
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
-from kvbridge.integrations.vllm.gpu_layout import kernel_tables
+from kvbridge.integrations.vllm.gpu_layout import Placement, kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
-from kvbridge.integrations.vllm.placement import Placement
 
 log = logging.getLogger(__name__)
 
