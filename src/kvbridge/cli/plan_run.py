@@ -56,10 +56,23 @@ def run(args: argparse.Namespace) -> int:
     p, d = sides(args.prefill, args.decode)
     if args.cached_tokens > args.tokens:
         raise ConfigError(f"--cached-tokens: {args.cached_tokens} not in [0, {args.tokens}]")
-    est = _check_memory(info, p, d, args)
+    est = estimate(info, p, d, args.tokens, args.shuffle_blocks)
+    if est.bytes > args.max_memory:
+        seed = args.shuffle_blocks
+        shuffled = f" --shuffle-blocks {seed}" if seed is not None else ""
+        raise ConfigError(
+            f"--tokens {args.tokens}{shuffled}: planning would need about {human(est.bytes)} "
+            f"({est.descriptors:,} descriptors on the largest D rank), over the limit of "
+            f"{human(args.max_memory)} (--max-memory); plan fewer tokens or raise the limit"
+        )
     ranks = plan_ranks(info, p, d, args, progress=est.descriptors >= PROGRESS_DESCRIPTORS)
     report = Report(info, p, d, args.tokens, args.cached_tokens, args.shuffle_blocks, ranks)
-    report.warnings.extend(_context_warning(args.model, args.tokens))
+    limit = context_length(args.model)
+    if limit is not None and args.tokens > limit:
+        report.warnings.append(
+            f"--tokens {args.tokens} exceeds the model's context length of {limit} tokens "
+            f"(max_position_embeddings): no real request is this long"
+        )
     report.warnings.extend(warnings(report, args.max_memory))
     print(dumps(render_json(report)) if args.json else render_text(report))
     return 0
@@ -98,32 +111,6 @@ def plan_ranks(
         took = time.perf_counter() - t0
         print(f"kvbridge plan: D rank {r + 1}/{world} planned ({took:.1f} s)", file=sys.stderr)
     return out
-
-
-def _check_memory(
-    info: ModelInfo, p: SideConfig, d: SideConfig, args: argparse.Namespace
-) -> Estimate:
-    est = estimate(info, p, d, args.tokens, args.shuffle_blocks)
-    if est.bytes > args.max_memory:
-        shuffled = (
-            f" --shuffle-blocks {args.shuffle_blocks}" if args.shuffle_blocks is not None else ""
-        )
-        raise ConfigError(
-            f"--tokens {args.tokens}{shuffled}: planning would need about {human(est.bytes)} "
-            f"({est.descriptors:,} descriptors on the largest D rank), over the limit of "
-            f"{human(args.max_memory)} (--max-memory); plan fewer tokens or raise the limit"
-        )
-    return est
-
-
-def _context_warning(model: str, tokens: int) -> list[str]:
-    limit = context_length(model)
-    if limit is None or tokens <= limit:
-        return []
-    return [
-        f"--tokens {tokens} exceeds the model's context length of {limit} tokens "
-        f"(max_position_embeddings): no real request is this long"
-    ]
 
 
 def _dtype(name: str | None, flag: str) -> DType | None:
@@ -362,10 +349,6 @@ def context_length(model: str) -> int | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return _max_positions(data)
-
-
-def _max_positions(data: Any) -> int | None:
     if not isinstance(data, dict):
         return None
     for cfg in (data, data.get("text_config")):

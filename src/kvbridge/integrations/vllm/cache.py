@@ -144,20 +144,13 @@ def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
         # one latent per token (``head_size`` elements: compressed KV | rope key), the
         # same on every TP rank
         return mla(index, cs.head_size, dtype)
-    if kind_name == "FullAttentionSpec":
-        return attention(index, kv_heads, cs.head_size, dtype, v_head_dim=cs.head_size_v)
-    if kind_name == "SlidingWindowSpec":
+    if kind_name in ("FullAttentionSpec", "SlidingWindowSpec"):
         # vLLM's window counts the token being computed: D, which recomputes the last
         # prompt token, needs the ``window - 1`` tokens before it.
-        return attention(
-            index,
-            kv_heads,
-            cs.head_size,
-            dtype,
-            Kind.SLIDING,
-            cs.sliding_window,
-            v_head_dim=cs.head_size_v,
-        )
+        sliding = kind_name == "SlidingWindowSpec"
+        kind, window = (Kind.SLIDING, cs.sliding_window) if sliding else (Kind.FULL, 0)
+        head = cs.head_size
+        return attention(index, kv_heads, head, dtype, kind, window, v_head_dim=cs.head_size_v)
     if kind_name == "ChunkedLocalAttentionSpec":
         return attention(
             index, kv_heads, cs.head_size, dtype, Kind.CHUNKED, chunk=cs.attention_chunk_size
