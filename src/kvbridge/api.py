@@ -10,7 +10,8 @@ Say where it lives        SideConfig (one instance's shape), build_layout, layou
                           register_layout, RankLayout, View;
                           engine tensors: RegionSet, TensorDesc, tensor_views;
                           where memory lives: MemKind (host or a GPU's)
-Plan (no I/O)             Geometry, Side, Bound, Plan
+Plan (no I/O)             Geometry, Side, Bound, Plan; block tables: Tables,
+                          checked_tables
 Move bytes                make_transport, register_transport, transport_names,
                           Transport, Region, XferHandle, XferState
 Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
@@ -57,6 +58,7 @@ from kvbridge.layout import (
 )
 from kvbridge.layout.tensor import MemKind, RegionSet, TensorDesc, tensor_views
 from kvbridge.plan import Bound, Geometry, Plan, Side
+from kvbridge.plan.tables import Tables, checked_tables
 from kvbridge.spec import (
     DType,
     Group,

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvbridge.api import ConfigError, Mode, Parallel, SideConfig, SpecError
 from kvbridge.cli.args import SideSpec, side
 from kvbridge.cli.demo_cmd import DEFAULT_DECODE, DEFAULT_PREFILL, QUICK
-from kvbridge.cli.plan_report import human
+from kvbridge.cli.plan_run import human
 from kvbridge.jsonio import dumps
 from refengine import ModelConfig, encode, generate, model_spec, preset
 from refengine.demo_report import Row, Summary, render_json, render_text

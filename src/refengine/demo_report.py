@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvbridge.cli.plan_report import human
+from kvbridge.cli.plan_run import human
 
 
 @dataclass(frozen=True, slots=True)

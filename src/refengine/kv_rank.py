@@ -93,7 +93,7 @@ class RankKV:
     def load(self, cmd: LoadKV) -> Ack:
         handle = decode_handle(cmd.job.handle)
         self.outcomes.pop(handle.request_id, None)  # a stale outcome of an earlier attempt
-        self._consumer().load(handle, [list(t) for t in cmd.job.tables], cmd.job.cached)
+        self._consumer().load(handle, cmd.job.tables, cmd.job.cached)
         return Ack()
 
     def await_outcome(self, cmd: AwaitKV) -> Loaded:

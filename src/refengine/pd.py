@@ -31,6 +31,7 @@ from kvbridge.api import (
     PromptMismatch,
     SideConfig,
     TransferHandle,
+    checked_tables,
 )
 from refengine.config import ModelConfig
 from refengine.errors import EngineError
@@ -208,7 +209,9 @@ class DecodeServer:
             refused = ""
         except PromptMismatch as e:
             refused = str(e)
-        job = LoadJob(req_id, encode_handle(handle), tables, n_cached, refused)
+        limits = (self.engine.side.num_blocks,) * len(tables)
+        tabs = checked_tables(tables, limits, "D's block tables")
+        job = LoadJob(req_id, encode_handle(handle), tabs, n_cached, refused)
         if job.refused:
             return [failure(req_id, PromptMismatch(job.refused), self.policy)] * self.engine.world
         self.engine.call_ranks(LoadKV(job))

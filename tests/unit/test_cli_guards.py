@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.cli.main import main
-from kvbridge.cli.plan_guards import context_length, estimate
-from kvbridge.cli.plan_report import Report
-from kvbridge.cli.plan_run import warnings
+from kvbridge.cli.plan_run import Report, context_length, estimate, warnings
 from kvbridge.layout.side import SideConfig
 from kvbridge.plan.dry_run import dry_run
 from kvbridge.spec.load import load_model

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.cli.main import main
-from kvbridge.cli.plan_report import human
+from kvbridge.cli.plan_run import human
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plan-cli.md"
 TOKENS = 5000

@@ -42,6 +42,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvbridge.adapter import HANDLE_KEY, decode_handle
+from kvbridge.api import Tables
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseReply, PushRefused, PushRuns, tables_digest
 from kvbridge.integrations.vllm import scheduler as scheduler_module
@@ -342,11 +343,12 @@ def test_a_broken_kernel_block_map_is_caught(
     kernel blocks of each vLLM block swapped in D's map, the load still succeeds, and the
     check sees the bytes land in the wrong place."""
 
-    def swapped(tables: list[list[int]], splits: tuple[int, ...]) -> list[list[int]]:
-        return [
-            [b * s + s - 1 - j for b in tab for j in range(s)]
-            for tab, s in zip(tables, splits, strict=True)
+    def swapped(tables: Tables, splits: tuple[int, ...]) -> Tables:
+        ids = [
+            np.array([b * s + s - 1 - j for b in tab for j in range(s)], np.int64)
+            for tab, s in zip(tables.ids, splits, strict=True)
         ]
+        return Tables(tuple(ids), ())  # unsealed: checked again by the Consumer
 
     monkeypatch.setattr(worker_module, "kernel_tables", swapped)
     assert run(engines, "kv-cached", monkeypatch) == [False]

@@ -45,11 +45,13 @@ from kvbridge.api import (
     Parallel,
     Region,
     Side,
+    Tables,
     View,
     attention,
+    checked_tables,
     mla,
 )
-from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, GpuLayout, gpu_rank_layout, kernel_tables
+from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement, gpu_rank_layout, kernel_tables
 from kvbridge.integrations.vllm.state import state_layer
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
 
@@ -148,7 +150,7 @@ def kb_spec(kind: str, block: int) -> ModelSpec:
     return ModelSpec("t", layers, (Group("g0", (0, 1), block),))
 
 
-def describe(kind: str, eng: Engine, tp: int, rank: int, layout: str) -> GpuLayout:
+def describe(kind: str, eng: Engine, tp: int, rank: int, layout: str) -> Placement:
     """kvbridge's layout of one vLLM rank (``layout``: cross-checked against the strides)."""
     caches, specs = eng
     spec = kb_spec(kind, next(iter(specs.values())).block_size)
@@ -220,7 +222,7 @@ def test_bad_views_are_refused() -> None:
         gpu_rank_layout(kb_spec("kv", 32), par, 0, caches, specs, names)
 
 
-def hybrid(kind: str, conv: str, layout: str, tp: int, rank: int = 0) -> tuple[Engine, GpuLayout]:
+def hybrid(kind: str, conv: str, layout: str, tp: int, rank: int = 0) -> tuple[Engine, Placement]:
     """Layers 0, 1: Mamba-2 or GDN state (page padded to the attention page); 2, 3:
     attention, blocks of 32; the two groups alias one allocation, as in vLLM."""
     calc = mamba_utils.MambaStateShapeCalculator  # conv [rows, ch] or, DS, [ch, rows]
@@ -374,7 +376,9 @@ def test_transfer_between_layouts_is_byte_exact(kind: str, p: tuple, d: tuple, c
         engines = [attn_engine(kind, layout, block, kernel, tp) for _ in range(tp)]
         sides.append([(e, describe(kind, e, tp, r, layout)) for r, e in enumerate(engines)])
         ids.append((-1, [int(x) for x in rng.permutation(NB)[: -(-n // block)]]))
-        tabs.append(kernel_tables([ids[-1][1]], sides[-1][0][1].splits))
+        tabs.append(
+            kernel_tables(checked_tables([ids[-1][1]], [NB], "vLLM"), sides[-1][0][1].splits)
+        )
     transfer(*sides, tuple(ids), tuple(tabs), n, cached)
 
 
@@ -393,3 +397,16 @@ def test_state_and_attention_transfer_is_byte_exact(kind: str, p: tuple, d: tupl
     )
     tabs = tuple([[slot], blocks] for slot, blocks in ids)
     transfer(*sides, ids, tabs, 45)
+
+
+def test_kernel_tables_map_checked_ids_by_numpy_and_keep_them_checked() -> None:
+    """vLLM block ``b`` of a group split in ``s`` is kernel blocks ``b·s … b·s + s - 1``
+    (an element-wise reference); checked ids stay checked (against ``n·s`` blocks),
+    read-only, and unchecked ones stay unchecked."""
+    tabs = checked_tables([[3, 0, 5], [4, 1]], [6, 6], "vLLM")
+    out = kernel_tables(tabs, (2, 1))
+    assert out.lists() == [[b * 2 + j for b in (3, 0, 5) for j in range(2)], [4, 1]]
+    assert out.limits == (12, 6) and all(not t.flags.writeable for t in out.ids)
+    assert checked_tables(out, [12, 6], "D") is out
+    loose = Tables(tabs.ids, tabs.limits)
+    assert checked_tables(kernel_tables(loose, (2, 1)), [12, 6], "D") is not out

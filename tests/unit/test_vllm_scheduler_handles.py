@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvbridge.adapter import HANDLE_KEY, decode_handle, encode_handle
-from kvbridge.api import Parallel, PeerError, TransferHandle
+from kvbridge.api import Parallel, PeerError, TransferHandle, checked_tables
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
 from kvbridge.spec import attention, group_by_kind
 
@@ -19,7 +19,9 @@ SPEC = group_by_kind("t", [attention(i, 2, 8) for i in range(2)], 16)
 
 def scheduler() -> SchedulerSide:
     cfg = SimpleNamespace(consumer=True, producer=False)
-    cache = SimpleNamespace(spec=SPEC, par=Parallel(1), state_tables=lambda t, n: t)
+    cache = SimpleNamespace(
+        spec=SPEC, par=Parallel(1), tables=lambda t, n: checked_tables(t, [8], "D")
+    )
     return SchedulerSide(cfg, cache)  # type: ignore[arg-type]
 
 

@@ -18,8 +18,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvbridge.api import checked_tables  # noqa: E402
 from kvbridge.errors import ConfigError, PlanError  # noqa: E402
 from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout, read_cache  # noqa: E402
+from kvbridge.integrations.vllm.state import state_shapes  # noqa: E402
 from kvbridge.plan.geometry import Geometry, Side  # noqa: E402
 from kvbridge.plan.pattern import Bound  # noqa: E402
 from kvbridge.spec.build import attention, gated_deltanet, mamba2  # noqa: E402
@@ -77,7 +79,7 @@ def configs(kind: str, tp: int, block: int, mode: str = "align") -> tuple[Any, A
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, served_model_name="t"),
         cache_config=SimpleNamespace(mamba_cache_mode=mode),
     )
-    return vllm_config, SimpleNamespace(kv_cache_groups=groups)
+    return vllm_config, SimpleNamespace(kv_cache_groups=groups, num_blocks=BLOCKS)
 
 
 def test_spec_equals_the_builders() -> None:
@@ -111,13 +113,13 @@ def test_state_slot_follows_vllms_rule() -> None:
     cache = read_cache(*configs("MAMBA2", 1, 32))
     tables = [[0, 0, 7, 9], [0, 0, 8, 10], [1, 2, 3, 4]]
     # align: the running state after n tokens is in block (n - 1) // block_size
-    assert cache.state_tables(tables, 96) == [[7], [8], [1, 2, 3, 4]]
-    assert cache.state_tables(tables, 97) == [[9], [10], [1, 2, 3, 4]]
+    assert cache.tables(tables, 96).lists() == [[7], [8], [1, 2, 3, 4]]
+    assert cache.tables(tables, 97).lists() == [[9], [10], [1, 2, 3, 4]]
     # a null block (0) or a short table: an empty table, which the plan refuses
-    assert cache.state_tables(tables, 40)[:2] == [[], []]
-    assert cache.state_tables(tables, 200)[:2] == [[], []]
+    assert cache.tables(tables, 40).lists()[:2] == [[], []]
+    assert cache.tables(tables, 200).lists()[:2] == [[], []]
     none = read_cache(*configs("MAMBA2", 1, 32, mode="none"))
-    assert none.state_tables([[5], [6], [1, 2]], 50) == [[5], [6], [1, 2]]
+    assert none.tables([[5], [6], [1, 2]], 50).lists() == [[5], [6], [1, 2]]
 
 
 class Rank:
@@ -137,7 +139,7 @@ class Rank:
     def state(self, layer: int) -> tuple[Any, Any]:
         """Conv ``[blocks, rows, channels]`` and SSM ``[blocks, heads, …]`` over the pages
         (vLLM's own arithmetic: conv at page offset 0, SSM right after it)."""
-        shapes, _ = self.cache.state_shapes[layer]
+        shapes, _ = state_shapes(self.cache.kv_specs[f"m.layers.{layer}.m"])
         f = self.buf.view(torch.int32)  # fp32 state compared as bits (random bytes: NaNs)
         conv_n = int(np.prod(shapes[0]))
         conv = f[:, :conv_n].unflatten(1, shapes[0])
@@ -179,8 +181,8 @@ def test_state_moves_byte_exact_across_tp(
     # vLLM's block lists: align mode, the state in block (n - 1) // block_size
     p_lists = [[0] * ((n - 1) // p_block) + [3], [0] * ((n - 1) // p_block) + [5], [6, 7, 8, 9]]
     d_lists = [[0] * ((n - 1) // d_block) + [2], [0] * ((n - 1) // d_block) + [4], [6, 7, 9, 10]]
-    p_tabs, d_tabs = pc.state_tables(p_lists, n), dc.state_tables(d_lists, n)
-    assert p_tabs[:2] == [[3], [5]] and d_tabs[:2] == [[2], [4]]
+    p_tabs, d_tabs = pc.tables(p_lists, n), dc.tables(d_lists, n)
+    assert p_tabs.lists()[:2] == [[3], [5]] and d_tabs.lists()[:2] == [[2], [4]]
     before = [rk.buf.clone() for rk in d]
     fabric = Fabric()
     agents = []
@@ -218,9 +220,9 @@ def test_missing_state_slot_fails_the_plan() -> None:
     bound = [Bound(p.layout, tuple(p.bases))]
     d_side = Side(cache.spec, cache.par, [Bound(d.layout, tuple(d.bases))])
     geom = Geometry(Side(cache.spec, cache.par, bound), d_side, 0)
-    tabs = cache.state_tables([[0, 0], [0, 5], [1, 2]], 40)  # layer 0's block is null
+    tabs = cache.tables([[0, 0], [0, 5], [1, 2]], 40)  # layer 0's block is null
     with pytest.raises(PlanError, match="group 0"):
-        geom.plan(40, tabs, cache.state_tables([[0, 3], [0, 4], [1, 2]], 40))
+        geom.plan(40, tabs, cache.tables([[0, 3], [0, 4], [1, 2]], 40))
 
 
 def test_layout_refuses_state_that_does_not_fit() -> None:
@@ -228,3 +230,15 @@ def test_layout_refuses_state_that_does_not_fit() -> None:
     small = torch.zeros((BLOCKS, 64), dtype=torch.int8)
     with pytest.raises(ConfigError, match="does not fit"):
         cpu_layout(cache, 0, {"m.layers.0.m": small})
+
+
+def test_block_ids_outside_the_pool_go_on_unchecked_for_the_rank_to_refuse() -> None:
+    """The scheduler checks vLLM's ids against its pool once; ids it refuses reach the
+    rank unchecked, whose own check refuses them, typed (that load fails alone)."""
+    cache = read_cache(*configs("MAMBA2", 1, 32))
+    good = cache.tables([[0, 0, 7], [0, 0, 8], [1, 2]], 96)
+    assert checked_tables(good, [BLOCKS] * 3, "D") is good
+    bad = cache.tables([[0, 0, 7], [0, 0, 8], [1, BLOCKS]], 96)
+    assert bad.lists() == [[7], [8], [1, BLOCKS]]
+    with pytest.raises(PlanError, match=f"table 2 holds block {BLOCKS}, outside"):
+        checked_tables(bad, [BLOCKS] * 3, "D's block tables")

@@ -33,6 +33,7 @@ from kvbridge.api import (
     View,
     attention,
     build_layout,
+    checked_tables,
     group_by_kind,
     make_transport,
 )
@@ -112,7 +113,8 @@ class ToyD:
         """Scheduler hook: a request arrived with P's transfer params (a handle of another
         prompt is refused here, and fails at the rank)."""
         text = params[HANDLE_KEY]
-        tables = state_tables([table], {}, "none", len(prompt))  # no state group here
+        tables = checked_tables([table], self.layout.num_blocks, "D's block tables")
+        tables = state_tables(tables, {}, "none", len(prompt))  # no state group here
         self.requests.load(LoadJob(rid, text, tables, cached, refusal(text, prompt)))
 
     def step(self) -> None:

@@ -1,23 +1,12 @@
-"""The engine-neutral half of an engine adapter: what every engine's connector needs
-between its own hooks and :mod:`kvbridge.api`.
-
-    handles.py   the handle codec (text in a request's transfer params, or bytes) and
-                 the prompt check D makes before a load
-    jobs.py      the job record (:class:`LoadJob`), a failed load's :class:`Outcome`,
-                 the handle ↔ request bookkeeping of the scheduler (:class:`Requests`)
-                 and of a D rank (:class:`Loading`)
-    slots.py     the state-slot choice: which block holds a state group's running state
-    metrics.py   the outcome → metrics schema: one table (:func:`metrics`) drives the
-                 per-load observation, its summary and an engine's metric objects
-
-The vLLM integration (``kvbridge.integrations.vllm``) uses all of these; the reference
-engine (``src/refengine``, which has no scheduler queue or Mamba slots of vLLM's kind)
-the handle codec, ``LoadJob``, ``failure`` and ``summed``. An engine adapter adds only
-that engine's hooks. Nothing here imports an engine, torch or numpy.
-"""
+"""The engine-neutral half of an engine adapter, between an engine's own hooks and
+:mod:`kvbridge.api`: the handle codec and D's prompt check (``handles.py``), the job
+record, its tables and the handle ↔ request bookkeeping (``jobs.py``), the outcome →
+metrics schema (``metrics.py``). The vLLM integration uses all of these; the reference
+engine the handle codec, ``LoadJob``, ``failure`` and ``summed``. Nothing here imports an
+engine, torch or numpy."""
 
 from kvbridge.adapter.handles import HANDLE_KEY, decode_handle, encode_handle, refusal
-from kvbridge.adapter.jobs import Loading, LoadJob, Requests, failure
+from kvbridge.adapter.jobs import Loading, LoadJob, Requests, failure, state_tables
 from kvbridge.adapter.metrics import (
     Metric,
     Tally,
@@ -28,7 +17,6 @@ from kvbridge.adapter.metrics import (
     register_metric,
     summed,
 )
-from kvbridge.adapter.slots import state_tables
 
 __all__ = [
     "HANDLE_KEY",

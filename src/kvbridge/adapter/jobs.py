@@ -1,4 +1,5 @@
-"""The job record and the handle ↔ request bookkeeping of an engine adapter.
+"""The job record, its block tables (a state group cut to its one slot), and the handle
+↔ request bookkeeping of an engine adapter.
 
 The scheduler (one per engine) decides per request: load the handle's tokens
 (:class:`LoadJob`), or release the handle unread; :class:`Requests` remembers what it
@@ -9,24 +10,44 @@ from P's request id to its own, and reports a job refused before it began as a f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from kvbridge.adapter.handles import decode_handle
-from kvbridge.api import KVBridgeError, Outcome, Policy, PromptMismatch, TransferHandle
+from kvbridge.api import KVBridgeError, Outcome, Policy, PromptMismatch, Tables, TransferHandle
 
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
-    """D: load ``handle``'s tokens beyond ``cached`` into local ``tables`` (per group)."""
+    """D: load ``handle``'s tokens beyond ``cached`` into local ``tables`` (per group;
+    checked where the engine hands them over, :func:`~kvbridge.api.checked_tables`)."""
 
     request_id: str
     handle: str
-    tables: list[list[int]]
+    tables: Tables
     cached: int
     refused: str = ""
     """Why the scheduler refused the handle (e.g. it holds another prompt's KV): the
     load fails with this error, nothing is sent to P."""
+
+
+def state_tables(
+    tables: Tables, state_blocks: Mapping[int, int], mode: str, n_computed: int
+) -> Tables:
+    """``tables`` with each state group ``g`` (``state_blocks[g]``: its block size in
+    tokens) cut to its one state slot: the block holding the running state after
+    ``n_computed`` tokens, block 0 in ``mode`` ``"none"`` and block ``(n-1) // size``
+    in ``"align"`` (earlier entries: null or checkpoints). A group whose slot is missing
+    (a null block, a short table) gets an empty table, which the plan refuses: that
+    request fails alone. Checked tables stay checked (a slice of their ids)."""
+    if not state_blocks:
+        return tables
+    ids = list(tables.ids)
+    for g, bs in state_blocks.items():
+        i = 0 if mode == "none" else max(n_computed - 1, 0) // bs
+        tab = ids[g]
+        ids[g] = tab[i : i + 1] if i < len(tab) and tab[i] != 0 else tab[:0]
+    return Tables(tuple(ids), tables.limits, tables.seal)
 
 
 def failure(request_id: str, error: Exception, action: Policy = Policy.RECOMPUTE) -> Outcome:

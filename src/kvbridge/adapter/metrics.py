@@ -1,13 +1,9 @@
 """The outcome → metrics schema: one table, :func:`metrics` (:data:`BUILT_IN`, then
 each :func:`register_metric`), of what an engine reports about loads (read from each
-:class:`Outcome`) and about events (lease ends, releases, refusals, counted by name). It
-drives the per-load :func:`observation`, its summary (:func:`reduce`) and an engine's
-metric objects (the vLLM integration builds one Prometheus counter or histogram per
-entry): a new metric is one entry.
-
-A sample is ``(label values..., amount)``; an observation maps a metric's name to the
-samples one load gave it (plain tuples: observations cross process boundaries).
-"""
+:class:`Outcome`) and events (counted by name). It drives the per-load
+:func:`observation`, its summary (:func:`reduce`) and an engine's metric objects: a new
+metric is one entry. An observation maps a metric's name to the samples one load gave
+it (plain tuples: observations cross process boundaries)."""
 
 from __future__ import annotations
 
@@ -79,8 +75,7 @@ _METRICS: Registry[Metric] = Registry("metric")
 
 
 def register_metric(metric: Metric) -> None:
-    """Make ``metric`` known: observations, :func:`reduce` and the engines' metric
-    objects built after this include it (a name is registered once)."""
+    """Observations, :func:`reduce` and metric objects built after this include ``metric``."""
     _METRICS.register(metric.name, metric)
 
 
@@ -196,8 +191,7 @@ class Tally:
     def __init__(self) -> None:
         self.observed: list[dict[str, list[Sample]]] = []
         self.events: Counter[str] = Counter()
-        self.totals: Counter[str] = Counter()
-        """Loads ok / failed (and by cause), bytes and descriptors moved, events."""
+        self.totals: Counter[str] = Counter()  # loads ok / failed (by cause), bytes, events
 
     def load(self, out: Outcome) -> None:
         self.totals.update(

@@ -82,13 +82,10 @@ class SideSpec:
         values and the keys that came from a fallback (for the command to say so)."""
         values, filled = dict(self.given), []
         for key in SIDE_KEYS:
-            if key in values:
-                continue
-            for fb in fallbacks:
-                if key in fb:
-                    values[key] = fb[key]
-                    filled.append(key)
-                    break
+            fb = next((fb for fb in fallbacks if key in fb), None)
+            if key not in values and fb is not None:
+                values[key] = fb[key]
+                filled.append(key)
         return values, filled
 
 

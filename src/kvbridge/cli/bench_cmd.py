@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.cli import args as types
-
-QUICK_CALLS = 50
-"""``bench plan --quick``: timed calls per batch, unless ``--calls`` says otherwise."""
+from kvbridge.errors import ConfigError
 
 
 def register(sub: Any) -> None:
@@ -62,8 +60,6 @@ def _checkout() -> None:
     the source tree and are not installed with it."""
     root = Path(__file__).resolve().parents[3]
     if not (root / "benchmarks" / "__init__.py").is_file():
-        from kvbridge.errors import ConfigError
-
         raise ConfigError(
             "kvbridge bench runs the benchmarks of a source checkout (benchmarks/ is not "
             "installed with the package): clone the repository and `pip install -e .` there"
@@ -73,83 +69,12 @@ def _checkout() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def say(line: str) -> None:
-        print(f"bench {args.what} {line}", file=sys.stderr, flush=True)
-
+    """Refuse a flag the benchmark has no use for, then run it (``benchmarks.bench_cli``)."""
     if args.trace and args.what != "vllm":
-        from kvbridge.errors import ConfigError
-
         raise ConfigError(f"--trace: bench {args.what} has no trace mode; --trace works with vllm")
     if args.only is not None and args.what != "trace":
-        from kvbridge.errors import ConfigError
-
         raise ConfigError(f"--only: bench {args.what} has no case filter; --only works with trace")
     _checkout()  # the flags first: their errors do not need a checkout
-    if args.plot is not None:
-        _check_plot(args.what, args.plot)
-    if args.what == "trace":
-        return _trace(args)
-    if args.what == "plan":
-        from benchmarks.plan_bench import as_dicts, cases
+    from benchmarks.bench_cli import run as bench
 
-        calls = args.calls or (QUICK_CALLS if args.quick else 300)
-        rows = as_dicts(cases(calls, quick=args.quick, progress=say))
-    elif args.what == "vllm" and args.trace:
-        from benchmarks.vllm_trace import run_trace
-
-        rows = run_trace(quick=args.quick, calls=args.calls, progress=say)
-    elif args.what == "vllm":
-        from benchmarks.vllm_bench import run_all as run_vllm
-
-        rows = run_vllm(quick=args.quick, calls=args.calls, progress=say)
-    else:
-        if args.calls is not None:
-            from kvbridge.errors import ConfigError
-
-            raise ConfigError("--calls: bench transfer times 5 repeats per case; no --calls")
-        from benchmarks.transfer_bench import run_all
-
-        rows = run_all(quick=args.quick, progress=say)
-    if args.json:
-        from kvbridge.jsonio import dumps
-
-        print(dumps(rows))
-    else:
-        print_table(rows)
-    if args.plot is not None:
-        from benchmarks.plot import draw
-
-        draw(args.what, rows, args.plot)
-        say(f"figure written to {args.plot}")
-    return 0
-
-
-def _check_plot(what: str, path: str) -> None:
-    """Refuse a ``--plot`` before the bench runs rather than after."""
-    if what in ("vllm", "trace"):
-        from kvbridge.errors import ConfigError
-
-        raise ConfigError(f"--plot: bench {what} draws no figure; --plot works with plan, transfer")
-    from benchmarks.plot import check_target
-
-    check_target(path)
-
-
-def _trace(args: argparse.Namespace) -> int:
-    """``bench trace``: transfers on an allocator trace (``benchmarks/trace_bench.py``)."""
-    from benchmarks.trace_bench import main as trace_main
-
-    argv = [*(["--quick"] if args.quick else []), *(["--json"] if args.json else [])]
-    argv += ["--only", args.only] if args.only else []
-    argv += ["--requests", str(args.calls)] if args.calls else []
-    return trace_main(argv)
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    keys = list(rows[0])
-    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
-    print("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))
-    for r in rows:
-        print("  ".join(str(r[k]).rjust(w) for k, w in zip(keys, widths, strict=True)))
+    return bench(args)

@@ -35,13 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"kvbridge.cli.{name}_cmd")
-        except ModuleNotFoundError as e:
-            if e.name != f"kvbridge.cli.{name}_cmd":
-                raise
-            continue
-        mod.register(sub)
+        importlib.import_module(f"kvbridge.cli.{name}_cmd").register(sub)
     return parser
 
 

@@ -41,7 +41,7 @@ from kvbridge.errors import IncompatibleError, KVBridgeError, PeerError, Transfe
 from kvbridge.fdtable import reserve_fds
 from kvbridge.layout.tensor import MemKind, regions_at
 from kvbridge.layout.view import RankLayout
-from kvbridge.plan.tables import checked_tables
+from kvbridge.plan.tables import Tables, checked_tables
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport, XferHandle
@@ -244,7 +244,7 @@ class Producer:
     def prefill_done(
         self,
         request_id: str,
-        block_tables: Sequence[Sequence[int] | np.ndarray],
+        block_tables: Sequence[Sequence[int] | np.ndarray] | Tables,
         n_tokens: int,
         payload: bytes = b"",
         prompt: Tokens | None = None,

@@ -22,7 +22,9 @@ class Tables:
     """Block tables checked where they enter (:func:`checked_tables`): one read-only 1-D
     int64 array per group (a copy: the caller may reuse its buffer), every id in
     ``[0, limits[g])``. The planner takes them as they are only when
-    :func:`checked_tables` made them (``seal``); any other instance is checked again."""
+    :func:`checked_tables` made them (``seal``), or a map that keeps ids in range passed
+    the seal on (an engine adapter's slot cut and kernel-block split); any other instance
+    is checked again. Pickled, a sealed one stays sealed and read-only."""
 
     ids: tuple[np.ndarray, ...]
     limits: tuple[int, ...]
@@ -38,6 +40,15 @@ class Tables:
         """As the handle and the lease carry them."""
         return [t.tolist() for t in self.ids]
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return _unpickled, (self.ids, self.limits, self.seal is _SEAL)
+
+
+def _unpickled(ids: tuple[np.ndarray, ...], limits: tuple[int, ...], sealed: bool) -> Tables:
+    for t in ids:
+        t.flags.writeable = False
+    return Tables(ids, limits, _SEAL if sealed else None)
+
 
 def checked_tables(tables: object, num_blocks: Sequence[int], who: str) -> Tables:
     """``tables`` (one list of ints or 1-D integer array per group) as :class:`Tables`,
@@ -45,7 +56,8 @@ def checked_tables(tables: object, num_blocks: Sequence[int], who: str) -> Table
     value otherwise. Nothing is coerced: ``0.9``, ``"3"`` and ``True`` are refused, not
     read as blocks 0, 3 and 1."""
     if isinstance(tables, Tables):
-        if tables.seal is _SEAL and tables.limits == tuple(num_blocks):
+        sealed = tables.seal is _SEAL and len(tables.limits) == len(num_blocks)
+        if sealed and all(a <= b for a, b in zip(tables.limits, num_blocks, strict=True)):
             return tables
         tables = tables.ids  # checked against other limits, or not by us: check again
     if not isinstance(tables, Sequence | np.ndarray) or len(tables) != len(num_blocks):

@@ -1,30 +1,10 @@
 """vLLM's KV cache as kvbridge sees it: a :class:`ModelSpec` from the cache groups and a
-:class:`RankLayout` over the tensors vLLM allocated (described, never copied).
-
-vLLM's CPU attention cache (backend ``CPU_ATTN``, kernels ``vec``/``vec16``) is one tensor
-per layer, declared ``[blocks, kv_heads, block, 2·head]``; its kernels keep, per block and
-KV head, K **transposed** then V (measured by writing known keys through
-``cpu_attn_reshape_and_cache``)::
-
-    block b ─┬─ head h ─┬─ K: head_size rows of block_size tokens   [head][token]
-             │          └─ V: block_size rows of head_size          [token][head]
-             └─ head h+1 …
-
-so K is described with axes ``BHDT`` (a head's elements a block apart) and V ``BHTD``.
-Layers of different groups may alias one allocation (vLLM gives a block id to one group
-at a time), so the regions are the storages, and every group shares one pool of ids.
-
-Mamba-2 and Gated DeltaNet layers (``MambaSpec``, one group per layer position) keep, per
-block of the same pool (the page padded to the attention page), two tensors: the conv
-state ``[kernel-1, channels]`` (layout ``SD``, vLLM's CPU default with this connector;
-``[channels, kernel-1]`` under ``VLLM_SSM_CONV_STATE_LAYOUT=DS``) whose channels are the
-TP rank's shards ``x|B|C`` (Mamba-2) or ``q|k|v`` (GDN), then the SSM / recurrent state
-``[heads, …]`` at the page offset right after it. They are kvbridge state groups (one slot
-per request): with prefix caching (``mamba_cache_mode="align"``) a request that computed
-``n`` tokens keeps its running state in block ``(n-1) // block_size`` of its Mamba block
-table (earlier entries are null or checkpoints); without it (``"none"``) in block 0.
-:meth:`VllmCache.state_tables` picks that slot on P and on D.
-"""
+:class:`RankLayout` over vLLM's CPU attention tensors, described in place (docs/vllm.md,
+"vLLM's CPU cache, as measured": K transposed per block, described ``BHDT``, V ``BHTD``;
+the regions are the storages, which layers of several groups alias, so every group
+shares one pool of ids). Mamba-2 and Gated DeltaNet layers are state groups of one slot
+per request (:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables` picks
+that slot on P and on D."""
 
 from __future__ import annotations
 
@@ -32,6 +12,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvbridge.adapter import state_tables
 from kvbridge.api import (
@@ -41,17 +23,26 @@ from kvbridge.api import (
     Layer,
     ModelSpec,
     Parallel,
+    PlanError,
     RankLayout,
-    RegionSet,
+    Tables,
     TensorDesc,
     View,
     attention,
+    checked_tables,
     mla,
     parse_dtype,
     shard_interval,
     tensor_views,
 )
-from kvbridge.integrations.vllm.state import conv_dim_first, state_descs, state_layer, state_views
+from kvbridge.integrations.vllm.gpu_layout import storage_regions
+from kvbridge.integrations.vllm.state import (
+    conv_dim_first,
+    state_descs,
+    state_layer,
+    state_shapes,
+    state_views,
+)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -72,25 +63,30 @@ class VllmCache:
     par: Parallel
     layer_names: dict[str, int]
     """vLLM attention layer name → kvbridge layer index."""
+    num_blocks: int
+    """Blocks in vLLM's pool (every group's ids come from it)."""
     state_blocks: dict[int, int] = field(default_factory=dict)
     """Spec group index → vLLM block size (tokens per block) of each Mamba group."""
     state_mode: str = "none"
     """vLLM's ``mamba_cache_mode`` (``"align"`` with prefix caching, ``"none"`` without)."""
     conv_dim_first: bool = False
     """Conv state stored ``[channels, kernel-1]`` (vLLM's ``DS``) rather than ``SD``."""
-    state_shapes: dict[int, tuple[tuple[tuple[int, ...], ...], tuple[Any, ...]]] = field(
-        default_factory=dict
-    )
-    """Mamba layer index → vLLM's per-rank state ``(shapes, dtypes)`` (conv, then SSM)."""
     kv_specs: dict[str, Any] = field(default_factory=dict)
     """vLLM layer name → its own vLLM spec (a group's ``UniformTypeKVCacheSpecs`` gives
     one per layer): what :mod:`~kvbridge.integrations.vllm.gpu_layout` checks views against."""
 
-    def state_tables(self, tables: list[list[int]], n_computed: int) -> list[list[int]]:
-        """vLLM's per-group block lists with each Mamba group cut to its one state slot
-        (:func:`kvbridge.adapter.state_tables`): that request fails alone if a slot is
-        missing, by policy, as vLLM wants for Mamba groups."""
-        return state_tables(tables, self.state_blocks, self.state_mode, n_computed)
+    def tables(self, block_ids: Any, n_computed: int) -> Tables:
+        """vLLM's per-group block ids as :class:`Tables`, checked here against the pool,
+        each Mamba group cut to its one state slot (:func:`kvbridge.adapter.state_tables`:
+        that request fails alone if a slot is missing, by policy, as vLLM wants for Mamba
+        groups). Ids this check refuses go on unsealed: the rank's own check refuses them
+        again, so that load alone fails, as any load of bad ids does."""
+        limits = (self.num_blocks,) * len(block_ids)
+        try:
+            tabs = checked_tables(block_ids, limits, "vLLM's block tables")
+        except PlanError:
+            tabs = Tables(tuple(np.array(t, dtype=np.int64) for t in block_ids), limits)
+        return state_tables(tabs, self.state_blocks, self.state_mode, n_computed)
 
 
 def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
@@ -102,7 +98,7 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     dim_first = conv_dim_first()
     layers: dict[int, Layer] = {}
-    groups, names, state_blocks, state_shapes, kv_specs = [], {}, {}, {}, {}
+    groups, names, state_blocks, kv_specs = [], {}, {}, {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         cs = group.kv_cache_spec
         per_layer = getattr(cs, "kv_cache_specs", None) or {}
@@ -111,8 +107,6 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
             i, ls = layer_index(name), per_layer.get(name, cs)
             if type(ls).__name__ == "MambaSpec":
                 layers[i] = state_layer(i, ls, par.tp, dim_first)
-                shapes = tuple(tuple(int(x) for x in sh) for sh in ls.shapes)
-                state_shapes[i] = (shapes, tuple(ls.dtypes))
             else:
                 layers[i] = _layer(i, ls, kv_heads)
             names[name], kv_specs[name] = i, ls
@@ -131,7 +125,16 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
     if state_blocks and mode not in ("none", "align"):
         raise ConfigError(f"mamba_cache_mode {mode!r}: the vLLM connector supports none, align")
-    return VllmCache(spec, par, names, state_blocks, mode, dim_first, state_shapes, kv_specs)
+    return VllmCache(
+        spec,
+        par,
+        names,
+        int(kv_cache_config.num_blocks),
+        state_blocks,
+        mode,
+        dim_first,
+        kv_specs,
+    )
 
 
 def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
@@ -141,20 +144,13 @@ def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
         # one latent per token (``head_size`` elements: compressed KV | rope key), the
         # same on every TP rank
         return mla(index, cs.head_size, dtype)
-    if kind_name == "FullAttentionSpec":
-        return attention(index, kv_heads, cs.head_size, dtype, v_head_dim=cs.head_size_v)
-    if kind_name == "SlidingWindowSpec":
+    if kind_name in ("FullAttentionSpec", "SlidingWindowSpec"):
         # vLLM's window counts the token being computed: D, which recomputes the last
         # prompt token, needs the ``window - 1`` tokens before it.
-        return attention(
-            index,
-            kv_heads,
-            cs.head_size,
-            dtype,
-            Kind.SLIDING,
-            cs.sliding_window,
-            v_head_dim=cs.head_size_v,
-        )
+        sliding = kind_name == "SlidingWindowSpec"
+        kind, window = (Kind.SLIDING, cs.sliding_window) if sliding else (Kind.FULL, 0)
+        head = cs.head_size
+        return attention(index, kv_heads, head, dtype, kind, window, v_head_dim=cs.head_size_v)
     if kind_name == "ChunkedLocalAttentionSpec":
         return attention(
             index, kv_heads, cs.head_size, dtype, Kind.CHUNKED, chunk=cs.attention_chunk_size
@@ -166,11 +162,7 @@ def cpu_layout(
     cache: VllmCache, tp_rank: int, kv_caches: Mapping[str, Any]
 ) -> tuple[RankLayout, list[int]]:
     """The layout of vLLM's CPU attention tensors on ``tp_rank``; returns it and region bases."""
-    regions = RegionSet()
-    for t in kv_caches.values():
-        for x in t if isinstance(t, (list, tuple)) else [t]:
-            st = x.untyped_storage()
-            regions.add(st.data_ptr(), st.nbytes())
+    regions = storage_regions(kv_caches)
     views: list[View] = []
     spec = cache.spec
     for name, t in kv_caches.items():
@@ -178,11 +170,12 @@ def cpu_layout(
         if i is None:
             raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
         if spec.layers[i].kind is Kind.STATE:
-            shapes, dtypes = cache.state_shapes[i]
+            shapes, dtypes = state_shapes(cache.kv_specs[name])
             descs = state_descs(name, t, shapes, dtypes, cache.conv_dim_first)
             views += state_views(spec.layers[i], name, descs, cache.par.tp, tp_rank, regions)
             continue
-        heads = _heads(spec, i, cache.par, tp_rank)
+        seg = spec.layers[i].streams[0].segments[0]
+        heads = shard_interval(seg.units, cache.par.tp, tp_rank)
         k, v = _cpu_attn_descs(name, t)
         views += tensor_views(i, k, ("k",), heads, regions)
         views += tensor_views(i, v, ("v",), heads, regions)
@@ -197,11 +190,6 @@ def cpu_layout(
         (0,) * len(spec.groups),
     )
     return layout, list(regions.bases)
-
-
-def _heads(spec: ModelSpec, layer: int, par: Parallel, tp_rank: int) -> tuple[int, int]:
-    seg = spec.layers[layer].streams[0].segments[0]
-    return shard_interval(seg.units, par.tp, tp_rank)
 
 
 def _cpu_attn_descs(name: str, t: Any) -> tuple[TensorDesc, TensorDesc]:

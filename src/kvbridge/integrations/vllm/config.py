@@ -1,25 +1,5 @@
-"""The connector's settings, read once from vLLM's ``kv_transfer_config``.
-
-``kv_connector_extra_config`` keys (all optional but the secret):
-
-    secret      shared secret of the side channel: its CURVE keys and HMAC key are
-                derived from it (or env ``KVBRIDGE_SECRET``)
-    host        address P's side channel binds (default 127.0.0.1; ``0.0.0.0``: all)
-    advertise   address D connects to, if not ``host`` (default: ``host``, or for a
-                wildcard ``host`` the address of the interface that routes outward)
-    port        its port (default 0: any free port)
-    lease_s     how long P holds a prefilled request's blocks for D (default 60: it must
-                outlive a first NIXL connection, seen to block for up to 31 s)
-    timeout_s   D's deadline for one request's transfer and for each side-channel call
-                to P (handshake, lease, push; default 10)
-    keys_file   CURVE keys instead of keys derived from the secret (JSON, see
-                :meth:`Keys.load`): a per-instance identity (``kvbridge keys``), created
-                for ``engine_id`` at first start if the file does not exist (it then
-                lists no peers: add them with ``kvbridge keys allow``), or explicit keys
-    transport   registered transport name (default ``nixl``; see ``kvbridge.transport``)
-    model_id    what this engine serves; P and D must agree (default: a fingerprint of
-                the model's config, see :func:`model_fingerprint`)
-"""
+"""The connector's settings, read once from vLLM's ``kv_transfer_config`` (the keys of
+its ``kv_connector_extra_config``: docs/vllm.md), and the ``kvbridge`` logger inside vLLM."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The class vLLM loads: ``kv_connector="KVBridgeConnector"``.
-
-vLLM builds it twice per engine: role SCHEDULER in the EngineCore process
-(:class:`SchedulerSide`) and role WORKER in each worker process (:class:`WorkerSide`).
-This class only routes vLLM's hooks to the half that owns them (and, at
-``register_kv_caches``, has :func:`~kvbridge.integrations.vllm.placement.place` describe
-the tensors: vLLM's CPU cache, or its logical view on a GPU).
-"""
+"""The class vLLM loads (``kv_connector="KVBridgeConnector"``), built twice per engine:
+role SCHEDULER in the EngineCore process (:class:`SchedulerSide`), role WORKER in each
+worker process (:class:`WorkerSide`). It only routes vLLM's hooks to the half that owns
+them (and has ``register_kv_caches`` describe the tensors, :func:`place`)."""
 
 from __future__ import annotations
 

@@ -1,34 +1,7 @@
-"""vLLM's GPU KV caches described in place, from the logical view vLLM itself makes.
-
-vLLM 0.32 places every cache in one logical byte space ``[L, B, H, N, C]`` (layers, blocks,
-head slots, states per block, content bytes; ``vllm/v1/kv_cache_interface.py``:
-``compute_layer_kv_cache_shape_bytes``, ``compute_layout_strides``). The layout,
-``VLLM_KV_CACHE_LAYOUT`` (``vllm/v1/kv_cache_layout.py``, ``KVCacheLayout``), is only the
-order of those axes in memory: ``LBHNC``, ``LBNHC``, ``LHBNC`` (layer outermost) and
-``BLHNC``, ``BLNHC``, ``BHLNC`` (block outermost: a block holds every layer's page). Pages
-may be padded (``page_size_padded``), and the groups of a hybrid model alias one
-allocation. ``create_kv_cache_views`` (called by ``vllm/v1/worker/utils.py``,
-``allocate_kv_cache``) gives every layer one strided 4-D view ``[B, H, N, C]`` of the int8
-buffer, in the spec's dtype; that dict is what ``register_kv_caches`` receives:
-
-- attention: ``C`` = K then V of one head and token (``head_size + head_size_v``
-  elements; the backends split it there, e.g. ``flash_attn.py``:
-  ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``);
-- MLA (``MLAAttentionSpec``, ``head_size_v = 0``): ``H = 1``, ``C`` = one latent;
-- Mamba-2 / Gated DeltaNet (``MambaSpec``): int8 ``[B, 1, 1, C]``; each page holds the
-  conv state then the SSM state, dense (``MambaBase.bind_kv_cache``), conv
-  ``[kernel-1, channels]`` (``SD``) or ``[channels, kernel-1]`` (``DS``), chosen by
-  ``VLLM_SSM_CONV_STATE_LAYOUT`` (``mamba_utils.get_conv_state_layout``).
-
-Where a backend takes smaller blocks than the allocator (``kernel_block_size``), B counts
-kernel blocks, ``block_size / N`` per vLLM block. A vLLM block's tokens are then one stride
-apart only if ``N`` is the outer axis of a kernel page (``LBNHC``); otherwise (``LBHNC``)
-kvbridge describes kernel blocks, and vLLM block ``b`` is kernel blocks ``b·split …
-b·split + split - 1`` (:func:`kernel_tables`).
-
-Strides are always read from the tensor; a layout name, when given, only cross-checks their
-order. Nothing is copied.
-"""
+"""vLLM's GPU KV caches described in place, from the logical ``[B, H, N, C]`` view of
+each layer vLLM itself makes (docs/vllm.md, "vLLM's GPU cache, as described"). Strides
+are read from the tensor; a layout name, when given, only cross-checks their order.
+Nothing is copied."""
 
 from __future__ import annotations
 
@@ -49,12 +22,13 @@ from kvbridge.api import (
     Parallel,
     RankLayout,
     RegionSet,
+    Tables,
     TensorDesc,
     View,
     shard_interval,
     tensor_views,
 )
-from kvbridge.integrations.vllm.state import state_descs, state_views
+from kvbridge.integrations.vllm.state import state_descs, state_shapes, state_views
 
 KV = ("k", "v")
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -75,15 +49,18 @@ class GpuDescs:
 
 
 @dataclass(frozen=True, slots=True)
-class GpuLayout:
-    """A rank's layout over vLLM's tensors; ``bases``: region base addresses (bytes)."""
+class Placement:
+    """One worker's KV memory as registered: ``bases[i]`` (bytes) holds
+    ``layout.regions[i]`` bytes of ``memory`` on GPU ``device`` (0 for host memory)."""
 
     layout: RankLayout
     bases: list[int]
     spec: ModelSpec
-    """The model spec with each group's block size as described (planning takes this one)."""
+    """The spec as described: each group's block size is the layout's (planning takes it)."""
     splits: tuple[int, ...]
-    """Per spec group: described blocks per vLLM block (see :func:`kernel_tables`)."""
+    """Per group: described blocks per vLLM block (see :func:`kernel_tables`)."""
+    memory: MemKind = MemKind.HOST
+    device: int = 0
 
 
 def check_order(name: str, shape: Sequence[int], strides: Sequence[int], layout: str) -> None:
@@ -152,8 +129,7 @@ def state_gpu_descs(
     """Conv and SSM / recurrent state of a ``MambaSpec`` layer from its int8 page view
     ``[B, 1, 1, C]`` (``dim_first``: conv kept ``[channels, kernel-1]``, vLLM's ``DS``)."""
     (_, heads, rows, content), _ = _dims(name, t, layout)
-    shapes = tuple(tuple(int(x) for x in s) for s in spec.shapes)
-    dtypes = tuple(spec.dtypes)
+    shapes, dtypes = state_shapes(spec)
     if len(shapes) != 2 or len(dtypes) != 2:
         raise ConfigError(f"{name}: {len(shapes)} state tensors {shapes}; expected conv, ssm")
     need = sum(
@@ -235,15 +211,15 @@ def gpu_rank_layout(
     layer_names: Mapping[str, int],
     layout: str | None = None,
     dim_first: bool = False,
-    regions: RegionSet | None = None,
-) -> GpuLayout:
+    memory: MemKind = MemKind.HOST,
+) -> Placement:
     """The :class:`RankLayout` of ``kv_caches`` (vLLM layer name → its view, as
     ``register_kv_caches`` gets them; ``kv_specs``: name → vLLM spec; ``layer_names``: name
     → kvbridge layer of ``spec``, whose groups have vLLM's block sizes). Where vLLM keeps
     kernel blocks whose tokens do not continue each other, the group is described in kernel
-    blocks: :attr:`GpuLayout.spec` says so, and :func:`kernel_tables` maps block ids. Groups
+    blocks: :attr:`Placement.spec` says so, and :func:`kernel_tables` maps block ids. Groups
     of one split share one pool of block ids, as vLLM's groups do."""
-    regions = storage_regions(kv_caches) if regions is None else regions
+    regions = storage_regions(kv_caches, memory)
     views: list[View] = []
     blocks: dict[int, tuple[int, int]] = {}
     for name, t in kv_caches.items():
@@ -261,7 +237,8 @@ def gpu_rank_layout(
     sizes = tuple(g.block_size for g in groups)
     rank = RankLayout(regions.sizes, tuple(views), sizes, counts, pools)
     described = ModelSpec(spec.name, spec.layers, groups)
-    return GpuLayout(rank, list(regions.bases), described, splits)
+    device = regions.regions[0].device if regions.regions else 0
+    return Placement(rank, list(regions.bases), described, splits, memory, device)
 
 
 def _group_blocks(
@@ -284,18 +261,20 @@ def _group_blocks(
     return tuple(groups), tuple(splits), tuple(counts)
 
 
-def kernel_tables(
-    tables: Sequence[list[int]], splits: Sequence[int]
-) -> list[list[int] | np.ndarray]:
+def kernel_tables(tables: Tables, splits: Sequence[int]) -> Tables:
     """vLLM's per-group block ids as described block ids: id ``b`` of a group split in
     ``s`` kernel blocks becomes ``b·s, …, b·s + s - 1`` (as vLLM's
     ``AttentionGroup.map_to_kernel_block_table``, ``vllm/v1/worker/utils.py``, maps them
-    for its kernels). A group of split 1 keeps its list; a split one becomes an int64
-    array (mapped by numpy, with no Python step per block), as the planner keeps it."""
-    return [
-        tab if s == 1 else (np.asarray(tab, dtype=np.int64)[:, None] * s + np.arange(s)).ravel()
-        for tab, s in zip(tables, splits, strict=True)
-    ]
+    for its kernels), by numpy. Ids checked against ``n`` blocks stay checked, against
+    ``n·s``."""
+    ids = []
+    for tab, s in zip(tables.ids, splits, strict=True):
+        if s > 1:
+            tab = (tab[:, None] * s + np.arange(s)).ravel()
+            tab.flags.writeable = False
+        ids.append(tab)
+    limits = tuple(n * s for n, s in zip(tables.limits, splits, strict=False))
+    return Tables(tuple(ids), limits, tables.seal)
 
 
 def table_splits(spec: ModelSpec, block_sizes: Sequence[int]) -> tuple[int, ...]:

@@ -1,51 +1,26 @@
-"""Which description a worker's KV tensors get, and which memory they are registered as.
-
-vLLM's CPU attention backend (``CPU_ATTN``) keeps K transposed inside each block
-(:func:`~kvbridge.integrations.vllm.cache.cpu_layout`); every other backend (the CUDA
-ones; ``CPU_MLA`` on the CPU) reads the cache through the logical ``[B, H, N, C]`` views
-vLLM allocates, which :mod:`~kvbridge.integrations.vllm.gpu_layout` describes::
-
-    a KV tensor on a CUDA device,           gpu_layout; regions of device memory on the
-    or an attention layer whose backend  ─► tensors' GPU (CPU tensors: device memory where
-    is not CPU_ATTN                         KVBRIDGE_DEVICE_ON_CPU=1 emulates it, host
-                                            memory otherwise)
-    otherwise                           ─► cpu_layout (verified CPU kernels only); host memory
-
-The choice is made once, in ``register_kv_caches``. What it gives, a :class:`Placement`, is
-data the worker hands on: the layout, the spec D plans with (block sizes as described), the
-split of vLLM blocks into described blocks per group, and the memory kind.
-"""
+"""Which description a worker's KV tensors get, and which memory they are registered as,
+chosen once, in ``register_kv_caches``: vLLM's CPU attention backend (``CPU_ATTN``, K
+transposed inside each block) gets :func:`~kvbridge.integrations.vllm.cache.cpu_layout`
+(verified CPU kernels only) in host memory; a KV tensor on a CUDA device, or an attention
+layer of any other backend (``CPU_MLA`` on the CPU), gets
+:mod:`~kvbridge.integrations.vllm.gpu_layout` over vLLM's logical ``[B, H, N, C]`` views,
+in device memory on the tensors' GPU (CPU tensors: device memory where
+``KVBRIDGE_DEVICE_ON_CPU=1`` emulates it, host memory otherwise)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvbridge import envs
-from kvbridge.api import Kind, MemKind, ModelSpec, RankLayout
+from kvbridge.api import Kind, MemKind
 from kvbridge.integrations.vllm.cache import VllmCache, check_cpu_kernel, cpu_layout
-from kvbridge.integrations.vllm.gpu_layout import gpu_rank_layout, layer_tensors, storage_regions
+from kvbridge.integrations.vllm.gpu_layout import Placement, gpu_rank_layout, layer_tensors
 
 CPU_BACKEND = "CPU_ATTN"
 """The one backend whose cache is not vLLM's logical view (K transposed per block)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """One worker's KV memory as registered: ``bases[i]`` (bytes) holds
-    ``layout.regions[i]`` bytes of ``memory`` on GPU ``device`` (0 for host memory)."""
-
-    layout: RankLayout
-    bases: list[int]
-    spec: ModelSpec
-    """The spec as described: each group's block size is the layout's (planning takes it)."""
-    splits: tuple[int, ...]
-    """Per group: described blocks per vLLM block (see ``gpu_layout.kernel_tables``)."""
-    memory: MemKind
-    device: int
 
 
 def place(
@@ -62,8 +37,7 @@ def place(
         return Placement(layout, bases, cache.spec, ones, MemKind.HOST, 0)
     emulated = envs.device_on_cpu() and not torch.cuda.is_available()
     kind = MemKind.DEVICE if cuda or emulated else MemKind.HOST
-    regions = storage_regions(kv_caches, kind)
-    described = gpu_rank_layout(
+    return gpu_rank_layout(
         cache.spec,
         cache.par,
         tp_rank,
@@ -72,11 +46,7 @@ def place(
         cache.layer_names,
         layout_name(vllm_config),
         cache.conv_dim_first,
-        regions,
-    )
-    device = regions.regions[0].device if regions.regions else 0
-    return Placement(
-        described.layout, described.bases, described.spec, described.splits, kind, device
+        kind,
     )
 
 

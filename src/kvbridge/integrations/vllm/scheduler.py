@@ -1,17 +1,8 @@
-"""Scheduler side of the vLLM connector (one per engine, in vLLM's EngineCore process).
-
-P (``kv_producer``/``kv_both``): a request sent with ``kv_transfer_params =
-{"do_remote_decode": true}`` is prefilled one token short (D computes the last prompt
-token itself, so sliding windows and recurrent state line up with what P keeps); when it
-finishes, P holds its blocks under a lease and returns ``{"kvbridge": <handle>}`` as the
-request's ``kv_transfer_params`` (block ids as P's workers describe them: a vLLM block
-kept as kernel blocks is named by those, see ``gpu_layout.kernel_tables``). The blocks are
-freed once every D rank confirmed, D reported a failure, or the lease lapsed.
-
-D (``kv_consumer``/``kv_both``): a request whose ``kv_transfer_params`` carry a handle
-waits in ``WAITING_FOR_REMOTE_KVS`` while the workers load the tokens it names beyond the
-local prefix-cache hit.
-"""
+"""Scheduler side of the vLLM connector (one per engine, in vLLM's EngineCore process;
+docs/vllm.md, "How it maps onto vLLM"). P prefills a ``do_remote_decode`` request one
+token short and returns ``{"kvbridge": <handle>}`` (block ids as P's workers describe
+them: ``gpu_layout.kernel_tables``), holding its blocks under a lease; D queues a load of
+the tokens a request's handle names beyond its local prefix-cache hit."""
 
 from __future__ import annotations
 
@@ -95,9 +86,7 @@ class SchedulerSide:
             return False, None
         if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
             return False, None  # aborted or never prefilled: nothing for D
-        ids = self.cache.state_tables(
-            [list(map(int, b)) for b in block_ids], request.num_prompt_tokens
-        )
+        ids = self.cache.tables(block_ids, request.num_prompt_tokens)
         tables = kernel_tables(ids, self.splits)
         n, prompt = request.num_prompt_tokens, getattr(request, "prompt_token_ids", None)
         handle = self.producer.prefill_done(request.request_id, tables, n, prompt=prompt)
@@ -143,7 +132,7 @@ class SchedulerSide:
             self.requests.release(request.request_id, "" if refused else str(text))
             return
         n = _tokens(request, handle)
-        tables = self.cache.state_tables([list(map(int, g)) for g in blocks.get_block_ids()], n)
+        tables = self.cache.tables(blocks.get_block_ids(), n)
         job = LoadJob(request.request_id, str(text), tables, n - num_external, refused)
         self.requests.load(job)
 

@@ -55,6 +55,11 @@ def state_layer(index: int, cs: Any, tp: int, conv_dim_first: bool) -> Layer:
     raise ConfigError(f"layer {index}: vLLM Mamba state {kind} of shapes {cs.shapes} not supported")
 
 
+def state_shapes(cs: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[Any, ...]]:
+    """A ``MambaSpec``'s per-rank state shapes and dtypes (conv, then SSM)."""
+    return tuple(tuple(int(x) for x in s) for s in cs.shapes), tuple(cs.dtypes)
+
+
 def state_descs(
     name: str, t: Any, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...], dim_first: bool
 ) -> list[TensorDesc]:
@@ -119,7 +124,9 @@ def state_views(
         if t.size("T") != stream.rows:
             raise ConfigError(f"{name}: {stream.name} has {t.size('T')} rows, spec {stream.rows}")
         segs, offset = _segments(stream, tp, tp_rank, item, ch_stride)
-        seg_units, seg_offsets, unit_strides, unit_bytes, pieces, piece_strides = segs
+        seg_units, seg_offsets, unit_strides, unit_bytes, pieces, piece_strides = zip(
+            *segs, strict=True
+        )
         if offset != t.size("D"):
             raise ConfigError(
                 f"{name}: {stream.name} holds {t.size('D')} elements per row; the spec's "
@@ -136,13 +143,13 @@ def state_views(
                 t.stride_bytes("B"),
                 stream.rows,
                 t.size("B"),
-                tuple(seg_units),
-                tuple(seg_offsets),
+                seg_units,
+                seg_offsets,
                 (row_stride,) * len(seg_units),
-                tuple(unit_strides),
-                tuple(unit_bytes),
-                tuple(pieces) if transposed else (),
-                tuple(piece_strides) if transposed else (),
+                unit_strides,
+                unit_bytes,
+                pieces if transposed else (),
+                piece_strides if transposed else (),
             )
         )
     return views
@@ -150,20 +157,17 @@ def state_views(
 
 def _segments(
     stream: Stream, tp: int, tp_rank: int, item: int, ch_stride: int
-) -> tuple[list[Any], int]:
+) -> tuple[list[tuple[Any, ...]], int]:
     """Per segment: units held, offset, unit stride, unit bytes, pieces, piece stride; and
     the row's elements on this rank."""
-    cols: list[list[Any]] = [[], [], [], [], [], []]
+    segs = []
     offset = 0  # elements of the row before this segment
     for seg in stream.segments:
         a, b = shard_interval(seg.units, tp, tp_rank, stream.replicated)
         elems = seg.unit_bytes // item
         piece = 1 if ch_stride == item else elems
-        for col, x in zip(
-            cols,
-            ((a, b), offset * ch_stride, elems * ch_stride, seg.unit_bytes, piece, ch_stride),
-            strict=True,
-        ):
-            col.append(x)
+        segs.append(
+            ((a, b), offset * ch_stride, elems * ch_stride, seg.unit_bytes, piece, ch_stride)
+        )
         offset += (b - a) * elems
-    return cols, offset
+    return segs, offset

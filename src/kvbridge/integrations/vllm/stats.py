@@ -7,6 +7,7 @@ the adapter's table (:mod:`kvbridge.adapter.metrics`; listed in docs/vllm.md).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +37,9 @@ class KVBridgeStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         self.data["loads"] = self.data["loads"] + list(other.data.get("loads", []))
-        events = dict(self.data["events"])
-        for k, n in other.data.get("events", {}).items():
-            events[k] = events.get(k, 0) + n
-        self.data["events"] = events
+        self.data["events"] = dict(
+            Counter(self.data["events"]) + Counter(other.data.get("events", {}))
+        )
         return self
 
     def reduce(self) -> dict[str, int | float]:

@@ -1,11 +1,7 @@
-"""Worker side of the vLLM connector (one per TP rank, in vLLM's worker process).
-
-It registers the KV tensors vLLM allocated, as :mod:`~kvbridge.integrations.vllm.placement`
-described them (no copy; host or device memory), with a NIXL agent, and on P publishes the
-rank's layout for the scheduler's handshake server; on D it runs a :class:`Consumer` that
-pulls, plans and confirms each request's tokens. Where the layout describes a vLLM block as
-several kernel blocks, D's tables are mapped to those (P's scheduler maps P's).
-"""
+"""Worker side of the vLLM connector (one per TP rank, in vLLM's worker process): it
+registers the KV tensors vLLM allocated, as :mod:`~kvbridge.integrations.vllm.placement`
+described them, publishes P's rank layout, and on D loads each request through a
+:class:`Consumer` (D's tables mapped to kernel blocks where the layout splits them)."""
 
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ from kvbridge.api import (
 )
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
-from kvbridge.integrations.vllm.gpu_layout import kernel_tables
+from kvbridge.integrations.vllm.gpu_layout import Placement, kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
-from kvbridge.integrations.vllm.placement import Placement
 
 log = logging.getLogger(__name__)
 
