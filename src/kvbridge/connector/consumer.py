@@ -5,13 +5,8 @@ tables, cached tokens)`` queues a request; a worker thread runs its state machin
     QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE
        └──────────┴──────────┴─────────┴──► FAILED   (any error, deadline or lapsed lease)
 
-VERIFY: the request is DONE if its last byte landed within half the lease time P granted
-at ``begin`` (P keeps a begun lease's blocks that long whatever its engine does), and the
-``confirm`` that lets P free them is sent after the outcome; a slower load asks P whether
-the lease still held first. While QUEUED or in HANDSHAKE, until its P peer is known (its
-``begin`` goes out next), the lease is renewed every second (a token-less ``renew``). A
-FAILED load whose transfers may still land is reported only once they ended
-(:mod:`kvbridge.connector.fence`).
+Verification on lease time, renewals while queued and the fence that holds a failure
+until no byte can land: ``docs/faults.md``.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvbridge.connector.directions import Directions
-from kvbridge.connector.fence import Check, Fence, Held
+from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
 from kvbridge.connector.kernel_mover import kernel_mover
 from kvbridge.connector.lease_calls import LeaseCalls
@@ -39,9 +33,8 @@ from kvbridge.connector.load import (
     _Load,
     failed_blocks,
 )
-from kvbridge.connector.movers import movers, plan_geometry, transfer
+from kvbridge.connector.movers import Directions, movers, plan_geometry, transfer
 from kvbridge.connector.peers import Peer, PeerCache
-from kvbridge.connector.push import ProbeArea, push_fence_checks
 from kvbridge.connector.staging import Stager
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
@@ -96,7 +89,7 @@ class Consumer:
         :class:`~kvbridge.plan.geometry.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls of many small runs, split
         in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`); push
-        mode stages through it too (:mod:`kvbridge.connector.push_staging`).
+        mode stages through it too (:mod:`kvbridge.connector.push`).
         ``staging``: let the cost model stage a request (False: always direct; may be
         changed between requests).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).

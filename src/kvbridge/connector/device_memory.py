@@ -1,13 +1,6 @@
-"""Local copies where the memory is, for device memory (torch kernels; on the CPU in
-tests): the device counterpart of :class:`kvbridge.connector.copies.LocalMemory`, used by
-staged transfers of device memory and by the kernel mover.
-
-A :class:`Span` is one ``uint8`` tensor over several regions, addressed by the addresses
-a plan uses (so one kernel call serves runs in any region). Before any byte moves, each
-run is checked: by :meth:`Span.offsets` (staging) to lie inside one region; by
-:meth:`Span.check` (the kernel mover) to lie inside the tensor, each run lying in one
-region by the plan's construction (ids range-checked, region sizes checked at the
-handshake).
+"""Local copies for device memory with torch kernels (on the CPU in tests): the device
+counterpart of :class:`kvbridge.connector.copies.LocalMemory`, and the :class:`Span`
+(one ``uint8`` tensor over several regions) the kernel mover copies between.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""The kernel mover: within a node, D maps P's regions and copies a request's runs with one
-gather-scatter (per source rank), no NIXL descriptor and no staging area.
-
-    P rank ── shares (CUDA IPC handles / shm files) over the side channel, at handshake ──► D
-    D rank:  P's regions mapped here (transport/ipc.py)     D's regions
-               └── one byte tensor over them (Span) ──rows_copy──► one byte tensor (Span)
-
-A :class:`Span` is one tensor spanning every region of a rank (P's as mapped here, D's
-own); D plans a request in a geometry over those tensors' offsets (:meth:`geometry`,
-made once per P epoch), so a run's addresses are tensor offsets with no per-run lookup
-(host time: ~0.1 ms at 8k tokens), and runs sharing a long divisor are cut to that one
-length (:func:`~kvbridge.connector.device_memory.equal_runs`), so one kernel serves runs in
-any region and of any such length (nothing between regions is touched: each run lies in
-one region by the plan's construction, and every run is bounds-checked first). On a GPU
-the copies run on the mover's own CUDA stream and :meth:`KernelMover.move` returns only
-once they completed, also when it fails: a failed load is reported only after the kernels
-ended. The lease rules are the connector's, as for any mover: nothing is read before P
-answered ``begin``, and success needs the lease to have held until the copy ended.
-Measured on an H100 with a prototype (``docs/gpu.md``): 65,536 runs of 1 KiB in
-0.103 ms, 1.5x a contiguous copy of the same bytes; 586-756 ms as NIXL descriptors.
+"""The kernel mover: within a node, D maps P's regions (``transport/ipc.py``) and copies a
+request's runs with one gather-scatter per source rank, no NIXL descriptor and no staging
+(``docs/gpu.md``). D plans in a geometry over the offsets of :class:`Span` tensors (P's
+regions as mapped here, D's own), so runs need no per-run address lookup; every run is
+bounds-checked first, and :meth:`KernelMover.move` returns only once its copies ended.
 """
 
 from __future__ import annotations

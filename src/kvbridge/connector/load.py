@@ -27,7 +27,7 @@ class Mode(enum.StrEnum):
     """D sends its plan; each P rank writes into D's blocks and notifies."""
     AUTO = "auto"
     """Per P instance, whichever of READ and WRITE D measured faster at the first load
-    (:mod:`kvbridge.connector.directions`): push where READ is emulated (GPU memory
+    (:func:`kvbridge.connector.movers.measure`): push where READ is emulated (GPU memory
     between two processes without RDMA: 0.5 GB/s against 1 TB/s), else pull."""
 
 

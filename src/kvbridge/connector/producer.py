@@ -12,11 +12,12 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from kvbridge.connector.handle import Tokens, TransferHandle, prompt_digest
-from kvbridge.connector.ordering import Event, wait_written
 from kvbridge.connector.push_gather import PushGather
 from kvbridge.connector.push_ledger import PushLedger
 from kvbridge.control.channel import Server
@@ -45,6 +46,13 @@ from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport, XferHandle
 from kvbridge.transport.ipc import export
+from kvbridge.transport.memory import torch_device
+
+
+class Event(Protocol):
+    """What ``written`` waits on: ``torch.cuda.Event`` has it (``query()``: done yet)."""
+
+    def query(self) -> bool: ...
 
 
 class ProducerWorker:
@@ -194,8 +202,20 @@ class ProducerWorker:
     def written(self, event: Event | None = None, timeout_s: float = 10.0) -> None:
         """Return once the engine's KV writes before ``event`` (e.g. a ``torch.cuda.Event``
         recorded after the step's last KV write; None: the device's current stream) are
-        complete. Call it before the step's handles leave P (:mod:`kvbridge.connector.ordering`)."""
-        wait_written(event, self.memory, self.device, timeout_s)
+        complete; :class:`TransferTimeout` after ``timeout_s`` (polled every 50 µs → 1 ms).
+        Call it before the step's handles leave P (``docs/gpu.md``, ordering)."""
+        if event is None:
+            on = torch_device(self.memory, self.device)
+            if on.type != "cuda":
+                return  # host memory (or emulated on the CPU): nothing queued to wait for
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(on))
+        deadline, pause = time.monotonic() + timeout_s, 50e-6
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"KV writes not complete after {timeout_s} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,16 +1,6 @@
-"""P's half of a staged push: gather scattered source runs into a registered staging
-slot of this rank, then WRITE them to D as a few long spans.
-
-D asks for a staged push (``PushRuns.staged``) when its runs are small: their
-destinations are then contiguous spans of D's own staging slot. Posting each small run
-as its own descriptor costs the transport per descriptor; copying them locally into one
-slot (a vectorised copy, :func:`~kvbridge.connector.staging.copy_equal`) and writing
-the slot's spans costs a copy per byte and a descriptor per span.
-
-Bounded: a few slots are allocated and registered when the worker starts; when none is
-free (all held by writes still running), or the runs do not fit one slot, the rank
-writes the runs direct (back-pressure, no unbounded memory). A slot goes back to the
-pool only once the WRITE reading from it ended (:meth:`PushGather.release`).
+"""P's half of a staged push (``docs/faults.md``): gather a push's scattered source runs
+into one of a few registered staging slots, then WRITE them to D as a few long spans;
+with no free slot, or runs that do not fit one, the rank writes direct.
 """
 
 from __future__ import annotations

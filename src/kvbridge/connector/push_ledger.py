@@ -1,21 +1,6 @@
-"""Which push requests one P rank has written: each load's pushes at most once.
-
-D sends a load's :class:`~kvbridge.control.messages.PushRuns` to a P rank with its engine
-id, its lease token, its epoch and a nonce D issued for that load. The first push of (D
-engine, request, token, D epoch) binds that nonce; the rank then writes each message
-(``part``) of it once, and retires the nonce once it accepted the ``last`` one (or when
-D fences the request after a failure). Refused, with the reason counted in
-:attr:`PushLedger.refused`: a push without a nonce, with a retired nonce, with a nonce
-other than the one bound (or bound to another load), or a part written already. So a
-replayed push (a stale copy, or a key holder resending one) never writes P's current
-bytes into D blocks that D has since reused. Loads, nonces and fences are per D engine
-id (bound to its key with per-instance identities): a push or fence naming engine A never
-acts on a load of engine B.
-
-Limit: the rank cannot ask P's lease table whether the token is live (the table is in the
-P instance's scheduler process): the first push of a load binds. A key holder that makes
-up a new push is in the position of any agent that can write into D's registered memory
-(docs/faults.md).
+"""Which push requests one P rank has written: each load's pushes at most once
+(``docs/faults.md``). The first push of (D engine, request, token, D epoch) binds D's
+nonce; each part is written once; the ``last`` part or a fence retires the nonce.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Staged pulls: many small runs read as a few long source spans into a registered
-staging area on D, then scattered to their destinations by a local copy.
-
-A block-size change on a layout that keeps K transposed (vLLM's CPU cache) cuts every
-element row of K into its own run: a 768-token request of a tiny Llama is ~12,000 runs
-of 128 bytes, and the transport pays per descriptor. On P those runs are mostly
-contiguous (a P block's rows follow each other), so sorted by source they join into a
-span per P block or longer; D reads the spans, then numpy moves each run from the
-staging slot to its block in one vectorised copy per run length.
-
-Safety: a staging slot whose READ is still running at the deadline is not reused
-until that READ ended (the consumer's fence gives it back, see
-:mod:`kvbridge.connector.fence`): a late byte lands there, not in a block D's engine
-may have handed to another request. Scatter happens only after the READ of that chunk
-completed, before the request is reported.
-
-Whether a request is staged is the cost model's call (:class:`CostModel`): the copy's
-costs are measured when the consumer starts, the per-descriptor cost of the transport
-is learned from the direct transfers it times.
+staging slot on D, then scattered to their destinations by a local copy. A slot whose
+READ may still land is reused only after the fence (``docs/faults.md``); whether a
+request is staged is :class:`CostModel`'s call.
 """
 
 from __future__ import annotations
@@ -233,7 +218,7 @@ class Stager:
         Pull (:meth:`pull`): chunks of half a slot, one copy (D's scatter); ``regions``:
         each source rank's registered regions, spans may then read over gaps of up to
         :meth:`CostModel.max_gap` bytes inside one region. ``push``
-        (:mod:`kvbridge.connector.push_staging`): chunks of a whole slot, each written as
+        (:mod:`kvbridge.connector.push`): chunks of a whole slot, each written as
         one span, two copies (P's gather, D's scatter)."""
         out = {}
         for src, r in runs.items():
