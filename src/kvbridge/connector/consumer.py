@@ -87,16 +87,14 @@ class Consumer:
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
         first and last blocks that lie outside the tokens D needs (see
         :class:`~kvbridge.plan.geometry.Geometry`): fewer, larger runs.
-        ``staging_bytes``: registered staging area for pulls of many small runs, split
-        in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`); push
-        mode stages through it too (:mod:`kvbridge.connector.push`).
+        ``staging_bytes``: registered staging area for pulls and pushes of many small
+        runs, one slot per worker (0: none; :mod:`kvbridge.connector.staging`).
         ``staging``: let the cost model stage a request (False: always direct; may be
         changed between requests).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
         ``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``).
         ``kernel``: copy with one kernel from P ranks of this node that share their memory
-        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says. The movers are
-        tried in their registry's order (``self.movers``, :mod:`kvbridge.connector.movers`)."""
+        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
@@ -119,7 +117,9 @@ class Consumer:
         self._stop = threading.Event()
         self.fence = Fence(transport, self._deliver)
         self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
-        self._renewer = self.leases.start_renewing(self._stop, self._waiting)
+        renew = (self._stop, self._waiting)
+        self._renewer = threading.Thread(target=self.leases.renew_loop, args=renew, daemon=True)
+        self._renewer.start()
 
     def _register(self, regions: list[Region], staging_bytes: int, workers: int) -> bytes:
         """Register the KV ``regions``, the staging area (in the same memory) and the

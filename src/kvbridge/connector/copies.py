@@ -32,13 +32,9 @@ def strided_limit(runs: int, size: int, word: int) -> int:
 
 
 class LocalMemory:
-    """Writable numpy access to local regions, addressed by absolute address.
-
-    One uint8 view spans every region (from the page below the lowest to the end of the
-    highest), so runs of one length are copied in one call whichever regions they fall
-    in: a per-layer layout has a region per (layer, stream), and a copy call per region
-    cost more than the copies (64 groups of ~100 runs per staged round). Only bytes of
-    checked runs are touched through it; whatever lies between regions never is."""
+    """Writable numpy access to local regions, addressed by absolute address, through one
+    uint8 view spanning them all (one copy call per run length, whatever the region:
+    ``docs/performance.md``, Copies); only bytes of checked runs are touched through it."""
 
     def __init__(self, regions: list[Region]):
         order = sorted(regions, key=lambda r: r.addr)

@@ -62,7 +62,10 @@ def rows_copy(
     host = isinstance(d_off, np.ndarray) and isinstance(s_off, np.ndarray)
     if host:  # checked on the host: no read back from the device
         facts = _inspect_host(dst, np.asarray(d_off), src, np.asarray(s_off), size)
-    with _on_stream(stream, dst):
+    on: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if stream is not None and dst.is_cuda:
+        on = torch.cuda.stream(stream)
+    with on:
         d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
         if d.shape != s.shape:
             raise TransportError(f"{d.numel()} destination offsets for {s.numel()} sources")
@@ -129,12 +132,6 @@ def _check_tensors(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
         raise TransportError(f"a run of {size} B")
 
 
-def _on_stream(stream: Any, dst: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    if stream is not None and dst.is_cuda:
-        return torch.cuda.stream(stream)
-    return contextlib.nullcontext()
-
-
 def _offsets(off: Offsets, device: torch.device) -> torch.Tensor:
     """Byte offsets as a 1-D int64 tensor on ``device`` (one transfer at most)."""
     if isinstance(off, np.ndarray):
@@ -190,13 +187,10 @@ def _word(size: int, low: int, *tensors: torch.Tensor) -> int:
     """Bytes per word: the widest of 8, 4, 2, 1 that divides ``size``, every offset (``low``
     does) and each tensor's address and storage offset (bytes: a dtype view needs both)."""
     for w in (8, 4, 2):
-        if w <= low and size % w == 0 and all(_aligned(t, w) for t in tensors):
+        aligned = all(t.data_ptr() % w == 0 and t.storage_offset() % w == 0 for t in tensors)
+        if w <= low and size % w == 0 and aligned:
             return w
     return 1
-
-
-def _aligned(t: torch.Tensor, w: int) -> bool:
-    return t.data_ptr() % w == 0 and t.storage_offset() % w == 0
 
 
 def _words(t: torch.Tensor, w: int) -> torch.Tensor:

@@ -39,11 +39,8 @@ class Held:
 
 class Fence:
     """Holds failed loads until their transfers ended; ``deliver`` gets each outcome.
-
-    Only the fence's own thread asks P ranks (each question may wait up to a second);
-    an exception while checking or releasing one load is logged and that load is checked
-    again later — the thread never dies of it. A load held for a long time is logged
-    again every :attr:`REMIND_S` seconds."""
+    Only its own thread asks P ranks; an exception while checking one load is logged and
+    the load checked again later. A load still held is logged every :attr:`REMIND_S` s."""
 
     REMIND_S = 60.0
 
@@ -162,22 +159,18 @@ def push_fence_checks(
     d_engine: str,
 ) -> tuple[list[Callable[[], bool]], list[Callable[[], None]]]:
     """One check per P rank in ``ranks``: True once that rank answered that none of its
-    writes for ``request_id`` from D instance ``d_engine`` is running (and it will refuse
-    any later push of it), or once a 1-byte READ from it was posted and then failed as
-    NIXL reports it (a killed rank: its connection is gone). ``probe_addr``: 1 registered
-    byte of D's own for that READ. Also the closers.
-
-    Limit: the probe sees D's connection to the rank, not the rank's to D. A rank that
-    is alive but cut off long enough for D's connection to fail, and whose own write to
-    D then resumes when the link heals, could still land bytes after the report. Pull
-    mode has no such gap (D owns the READs it waits for)."""
+    writes for ``request_id`` from D instance ``d_engine`` is running (it then refuses any
+    later push of it), or once a 1-byte READ from it to ``probe_addr`` (D's own) was posted
+    and then failed as NIXL reports it (a killed rank; the probe's limit:
+    ``docs/faults.md``). Also the closers."""
     checks: list[Callable[[], bool]] = []
     closers: list[Callable[[], None]] = []
     for src in sorted(set(ranks)):
-        client = Client(peer.endpoints[src], peer.secret, FENCE_TIMEOUT_S, peer.keys)
+        info = peer.ranks[src]
+        client = Client(info.endpoint, peer.secret, FENCE_TIMEOUT_S, peer.keys)
         fence = PushFence(request_id, d_engine)
         check = _RankFence(client, fence, transport, peer.agents.get(src), probe_addr)
-        check.remote = peer.probe_addrs.get(src)
+        check.remote = info.bases[0] if info.bases else None
         checks.append(check)
         closers.append(check.close)
     return checks, closers

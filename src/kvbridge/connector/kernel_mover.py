@@ -86,9 +86,7 @@ class KernelMover:
     def geometry(self, peer: Peer) -> tuple[Over | None, str]:
         """The pair's geometry over the offsets of the memory this mover copies between
         (P's regions as mapped here now, D's own), to plan a request in; ``(None, why)`` if
-        this mover cannot serve ``peer``. Made once per mapping of P's ranks (not per
-        epoch: a P's memory mapped again lands elsewhere). A plan made in it addresses the
-        spans' tensors directly: no address is looked up per run (host time)."""
+        this mover cannot serve ``peer``. Made once per mapping of P's ranks."""
         sources = sorted(peer.geometry.links)
         why = self.why_not(peer, sources)
         if why or peer.remake is None:
@@ -119,10 +117,9 @@ class KernelMover:
 
     def move(self, peer: Peer, runs: dict[int, Runs], bases: dict[int, tuple[int, ...]]) -> int:
         """Copy every run of ``runs`` (per P rank; planned in :meth:`geometry` over P's
-        regions at ``bases``, offsets in the spans) from P's mapped memory; the number of
-        copy calls. A P rank's memory mapped again since (elsewhere) is a
-        :class:`TransportError` before any byte moves. Returns (or raises) only once
-        every copy it started has ended."""
+        regions at ``bases``) from P's mapped memory; the number of copy calls. P's memory
+        mapped again since is a :class:`TransportError` before any byte moves. Returns (or
+        raises) only once every copy it started has ended."""
         calls, held = 0, []
         try:
             for src, r in runs.items():
@@ -183,17 +180,14 @@ class KernelMover:
     def _open(self, peer: Peer, src: int) -> tuple[Opened, Span]:
         info = peer.ranks[src]
         shares = rank_shares(info)
+        opened: Opened | None = None
         try:
             opened = Opened(shares, self.kind, self.device)
-        except TransportError:
-            raise
-        except Exception as exc:  # e.g. torch or the driver refusing the pointer
-            raise TransportError(f"mapping P rank {src}'s memory: {exc!r}") from exc
-        try:
             here = regions_at(opened.bases, tuple(s.nbytes for s in shares), self.kind, self.device)
             return opened, Span(here, names=list(info.bases))
-        except Exception as exc:
-            opened.close()
+        except Exception as exc:  # e.g. torch or the driver refusing the pointer
+            if opened is not None:
+                opened.close()
             if isinstance(exc, TransportError):
                 raise
             raise TransportError(f"mapping P rank {src}'s memory: {exc!r}") from exc

@@ -9,6 +9,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import timeit
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -133,12 +135,7 @@ def _measure_scatter(whole: bool) -> tuple[float, float]:
             off[1::2] += 8
         shuffled = np.random.default_rng(0).permutation(off)
         word = gather_word(shuffled, off, size)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            gather_scatter(dst, shuffled, src, off, size, word)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return _best(lambda: gather_scatter(dst, shuffled, src, off, size, word))
 
     small, big = timed(128), timed(8192)  # 8192 runs, 128 runs of the same 1 MiB
     per_run = max((small - big) / (8192 - 128), 0.0)
@@ -151,12 +148,12 @@ def _measure_strided() -> float:
     src = np.ones(1 << 20, np.uint8)
     dst = np.zeros(1 << 20, np.uint8)
     off = np.arange(0, 1 << 20, 1024, dtype=np.int64)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        copy_equal(dst, off[::-1].copy(), src, off, 1024)
-        best = min(best, time.perf_counter() - t0)
-    return best / (1 << 20)
+    return _best(lambda: copy_equal(dst, off[::-1].copy(), src, off, 1024)) / (1 << 20)
+
+
+def _best(copy: Callable[[], None]) -> float:
+    """Seconds of the fastest of three calls of ``copy``."""
+    return min(timeit.repeat(copy, number=1, repeat=3))
 
 
 class StagingPool:
