@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,27 +69,21 @@ class KernelMover:
         self._geometries: dict[str, tuple[tuple[int, ...], Over]] = {}
         """Per P engine id: (the mappings it was made over, geometry over their offsets)."""
 
-    def why_not(self, peer: Peer, sources: Iterable[int]) -> str:
-        """Why this mover cannot serve ``peer``'s ranks ``sources`` ("" if it may: whether
-        their memory maps here, :meth:`geometry` finds out)."""
-        for src in sources:
-            info = peer.ranks.get(src)
-            if info is None or not info.shares:
-                return f"P rank {src} shares no memory"
-            if info.node != node_id():
-                return f"P rank {src} runs on another node"
-            if info.memory_kind() is not self.kind:
-                return f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
-        return ""
-
     def geometry(self, peer: Peer) -> tuple[Over | None, str]:
         """The pair's geometry over the offsets of the memory this mover copies between
         (P's regions as mapped here now, D's own), to plan a request in; ``(None, why)`` if
         this mover cannot serve ``peer``. Made once per mapping of P's ranks."""
         sources = sorted(peer.geometry.links)
-        why = self.why_not(peer, sources)
-        if why or peer.remake is None:
-            return None, why or "no geometry over mapped memory"
+        for src in sources:
+            info = peer.ranks.get(src)
+            if info is None or not info.shares:
+                return None, f"P rank {src} shares no memory"
+            if info.node != node_id():
+                return None, f"P rank {src} runs on another node"
+            if info.memory_kind() is not self.kind:
+                return None, f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
+        if peer.remake is None:
+            return None, "no geometry over mapped memory"
         held: list[_Mapped] = []
         src = -1
         try:

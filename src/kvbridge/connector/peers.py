@@ -218,9 +218,7 @@ class PeerCache:
     ) -> Peer:
         laps = [time.perf_counter()]
         p_par = Parallel(reply.tp, reply.pp, tuple(tuple(s) for s in reply.stages))  # type: ignore[misc]
-        if len(reply.ranks) != p_par.world or [r.rank for r in reply.ranks] != list(
-            range(p_par.world)
-        ):
+        if [r.rank for r in reply.ranks] != list(range(p_par.world)):
             raise PeerError(f"handshake lists ranks {[r.rank for r in reply.ranks]}")
         layouts = [rank_layout(info) for info in reply.ranks]
         for info, lay in zip(reply.ranks, layouts, strict=True):
@@ -231,10 +229,9 @@ class PeerCache:
         p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]
         geometry = self._remake(spec_p, p_par, p_bound, {}, self.bound.bases)
         laps.append(time.perf_counter())
-        agents = {}
-        for info in reply.ranks:
-            if info.rank in _sources(geometry):
-                agents[info.rank] = self.transport.add_peer(info.agent)
+        sources = {b.src_rank for g in geometry.groups for b in g.buckets}
+        add = self.transport.add_peer
+        agents = {i.rank: add(i.agent) for i in reply.ranks if i.rank in sources}
         laps.append(time.perf_counter())
         if laps[-1] - t0 > 1.0:
             call, geom, peers = laps[0] - t0, laps[1] - laps[0], laps[2] - laps[1]
@@ -289,7 +286,3 @@ class PeerCache:
             self._stale = []
         for peer in peers:
             self._forget(peer)
-
-
-def _sources(geometry: Geometry) -> set[int]:
-    return {b.src_rank for g in geometry.groups for b in g.buckets}

@@ -21,7 +21,7 @@ from kvbridge.plan.runs import Runs
 @dataclass(frozen=True, slots=True)
 class Pusher:
     """``job``'s pushes from D rank ``who`` = (engine id, epoch, rank, world; transport
-    metadata ``agent``), bound to its lease (:mod:`kvbridge.connector.push_ledger`) by
+    metadata ``agent``), bound to its lease (:class:`~kvbridge.connector.push_gather.PushLedger`) by
     its ``begin`` token, D's epoch, the nonce D issued for the load and D's engine id.
     ``job.pushed`` gets each P rank before it is asked (it may write even if the call
     fails)."""
