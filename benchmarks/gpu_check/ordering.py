@@ -1,5 +1,5 @@
 """The ordering case: P hands out a request's handle only after its engine's KV writes
-completed (``ProducerWorker.written(event)``, :mod:`kvbridge.connector.ordering`).
+completed (``ProducerWorker.written(event)``, ``kvbridge/connector/producer.py``).
 
 P's ranks write a request's pattern late, as an engine whose KV kernels are still queued:
 on the GPU a sleep kernel of :data:`DELAY_S` on a side stream, then the pattern's stores,

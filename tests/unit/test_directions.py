@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from kvbridge.connector.directions import MARGIN, Directions
 from kvbridge.connector.load import Mode
+from kvbridge.connector.movers import MARGIN, Directions
 from kvbridge.transport.base import XferHandle
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import World, check_bytes

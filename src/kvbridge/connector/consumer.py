@@ -5,13 +5,8 @@ tables, cached tokens)`` queues a request; a worker thread runs its state machin
     QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE
        └──────────┴──────────┴─────────┴──► FAILED   (any error, deadline or lapsed lease)
 
-VERIFY: the request is DONE if its last byte landed within half the lease time P granted
-at ``begin`` (P keeps a begun lease's blocks that long whatever its engine does), and the
-``confirm`` that lets P free them is sent after the outcome; a slower load asks P whether
-the lease still held first. While QUEUED or in HANDSHAKE, until its P peer is known (its
-``begin`` goes out next), the lease is renewed every second (a token-less ``renew``). A
-FAILED load whose transfers may still land is reported only once they ended
-(:mod:`kvbridge.connector.fence`).
+Verification on lease time, renewals while queued and the fence that holds a failure
+until no byte can land: ``docs/faults.md``.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvbridge.connector.directions import Directions
-from kvbridge.connector.fence import Check, Fence, Held
+from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
 from kvbridge.connector.kernel_mover import kernel_mover
 from kvbridge.connector.lease_calls import LeaseCalls
@@ -39,9 +33,8 @@ from kvbridge.connector.load import (
     _Load,
     failed_blocks,
 )
-from kvbridge.connector.movers import movers, plan_geometry, transfer
+from kvbridge.connector.movers import Directions, movers, plan_geometry, transfer
 from kvbridge.connector.peers import Peer, PeerCache
-from kvbridge.connector.push import ProbeArea, push_fence_checks
 from kvbridge.connector.staging import Stager
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
@@ -95,16 +88,14 @@ class Consumer:
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
         first and last blocks that lie outside the tokens D needs (see
         :class:`~kvbridge.plan.geometry.Geometry`): fewer, larger runs.
-        ``staging_bytes``: registered staging area for pulls of many small runs, split
-        in one slot per worker (0: none; see :mod:`kvbridge.connector.staging`); push
-        mode stages through it too (:mod:`kvbridge.connector.push_staging`).
+        ``staging_bytes``: registered staging area for pulls and pushes of many small
+        runs, one slot per worker (0: none; :mod:`kvbridge.connector.staging`).
         ``staging``: let the cost model stage a request (False: always direct; may be
         changed between requests).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
         ``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``).
         ``kernel``: copy with one kernel from P ranks of this node that share their memory
-        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says. The movers are
-        tried in their registry's order (``self.movers``, :mod:`kvbridge.connector.movers`)."""
+        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
@@ -127,7 +118,9 @@ class Consumer:
         self._stop = threading.Event()
         self.fence = Fence(transport, self._deliver)
         self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
-        self._renewer = self.leases.start_renewing(self._stop, self._waiting)
+        renew = (self._stop, self._waiting)
+        self._renewer = threading.Thread(target=self.leases.renew_loop, args=renew, daemon=True)
+        self._renewer.start()
         reserve_fds()  # a first handshake must not wait for the table to grow
 
     def _register(self, regions: list[Region], staging_bytes: int, workers: int) -> bytes:

@@ -1,19 +1,7 @@
-"""Local copies of many equal-length runs, as vectorised as numpy allows: the gather
-and scatter of staged transfers (:mod:`kvbridge.connector.staging`,
-:mod:`kvbridge.connector.push_gather`).
-
-Runs that form long arithmetic progressions on both sides (a block's rows, sorted) are
-copied as 2-D strided views, one per progression; else one gather-scatter over words as
-wide as every offset allows (a whole run when offsets are multiples of its length).
-Which is cheaper is :func:`strided_limit`'s call: a view costs a few µs, a run of the
-gather-scatter tens to hundreds of ns, so short progressions of short runs gather.
-Measured (2026-11-25, this VM, 65,536 runs of 1 KiB): progressions of 16 rows in
-shuffled block order 57 → 22 ms (views made with ``np.ndarray(buffer=)`` instead of
-``as_strided``, a progression no longer split at each block's first row), shuffled runs
-80 → 30 ms (1 KiB words instead of 8-byte ones), a memcpy of the same 64 MiB 4.7 ms.
-Later (``benchmarks/bench_copies.py``): progressions of 16 rows of 1 KiB gather in 1.6–1.9 ms
-per 8 MiB against 2.2–2.9 ms as views; a staged round over 64 per-layer regions, one
-copy call instead of one per region: 2.5–4 ms against 5.8–11.6 ms.
+"""Local copies of many equal-length runs with numpy: the gather and scatter of staged
+transfers. Runs forming long arithmetic progressions on both sides are copied as 2-D
+strided views, else as one gather-scatter over words as wide as every offset allows;
+:func:`strided_limit` picks the cheaper (measurements: ``docs/performance.md``, Copies).
 """
 
 from __future__ import annotations
@@ -44,13 +32,9 @@ def strided_limit(runs: int, size: int, word: int) -> int:
 
 
 class LocalMemory:
-    """Writable numpy access to local regions, addressed by absolute address.
-
-    One uint8 view spans every region (from the page below the lowest to the end of the
-    highest), so runs of one length are copied in one call whichever regions they fall
-    in: a per-layer layout has a region per (layer, stream), and a copy call per region
-    cost more than the copies (64 groups of ~100 runs per staged round). Only bytes of
-    checked runs are touched through it; whatever lies between regions never is."""
+    """Writable numpy access to local regions, addressed by absolute address, through one
+    uint8 view spanning them all (one copy call per run length, whatever the region:
+    ``docs/performance.md``, Copies); only bytes of checked runs are touched through it."""
 
     def __init__(self, regions: list[Region]):
         order = sorted(regions, key=lambda r: r.addr)

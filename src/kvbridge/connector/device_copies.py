@@ -1,28 +1,11 @@
 """Copies of many equal-length runs where the memory is (CPU or CUDA tensors): the
 device-side counterpart of :func:`kvbridge.connector.copies.copy_equal`.
 
-``dst[d_off[i] : d_off[i] + size] = src[s_off[i] : s_off[i] + size]`` for every run i,
-offsets and ``size`` in bytes. Both tensors are viewed as words as wide as every address
-allows, so a gather moves words, not bytes::
-
-    dst (uint8)  |a a a a a a a a|b b b b b b b b|c c c c c c c c|d ...   data_ptr % 8 == 0
-    dst_w (i64)  |       0       |       1       |       2       |  3 ...
-    a run with d_off = 8, size = 16  →  words 1, 2  (d_off // 8 + arange(16 // 8))
-
-The first way that fits moves the words:
-
-- Triton (CUDA tensors, ``triton`` importable, ``KVBRIDGE_TRITON`` not "0"): one fused
-  kernel, a program per tile of runs looping over the runs' words;
-- rows (every offset a multiple of ``size``): the words as ``(-1, size // w)`` rows, one
-  ``index_select`` + ``index_copy_`` of whole rows;
-- flat: ``index_select`` + ``index_copy_`` of word indices ``off // w + arange(size // w)``.
-
-The torch ways go in chunks of at most :data:`CHUNK_WORDS` words (at least one run),
-which bounds their temporaries. Measured on an H100 with a prototype of the fused
-kernel (fused Triton / index_select + index_copy_ / a contiguous copy of the same
-bytes): 65,536 runs of 1 KiB 0.103 /
-0.26-0.28 / 0.070 ms; 32,768 of 32 KiB 0.863 / 3.76 / 0.784 ms; 16,384 of 256 B
-0.049 / 0.046-0.056 / 0.029 ms.
+Both tensors are viewed as words as wide as every address allows (a run at ``d_off = 8``
+of 16 B is int64 words 1 and 2), moved by the first way that fits: a fused Triton kernel
+(CUDA, ``triton`` importable, ``KVBRIDGE_TRITON`` not "0"); whole rows (every offset a
+multiple of ``size``: one ``index_select`` + ``index_copy_``); or flat word indices. The
+torch ways go in chunks of at most :data:`CHUNK_WORDS` words. Measured: ``docs/gpu.md``.
 """
 
 from __future__ import annotations
@@ -79,7 +62,10 @@ def rows_copy(
     host = isinstance(d_off, np.ndarray) and isinstance(s_off, np.ndarray)
     if host:  # checked on the host: no read back from the device
         facts = _inspect_host(dst, np.asarray(d_off), src, np.asarray(s_off), size)
-    with _on_stream(stream, dst):
+    on: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if stream is not None and dst.is_cuda:
+        on = torch.cuda.stream(stream)
+    with on:
         d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
         if d.shape != s.shape:
             raise TransportError(f"{d.numel()} destination offsets for {s.numel()} sources")
@@ -144,12 +130,6 @@ def _check_tensors(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
         raise TransportError(f"destination on {dst.device}, source on {src.device}")
     if size <= 0:
         raise TransportError(f"a run of {size} B")
-
-
-def _on_stream(stream: Any, dst: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    if stream is not None and dst.is_cuda:
-        return torch.cuda.stream(stream)
-    return contextlib.nullcontext()
 
 
 def _offsets(off: Offsets, device: torch.device) -> torch.Tensor:

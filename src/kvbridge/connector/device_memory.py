@@ -1,13 +1,6 @@
-"""Local copies where the memory is, for device memory (torch kernels; on the CPU in
-tests): the device counterpart of :class:`kvbridge.connector.copies.LocalMemory`, used by
-staged transfers of device memory and by the kernel mover.
-
-A :class:`Span` is one ``uint8`` tensor over several regions, addressed by the addresses
-a plan uses (so one kernel call serves runs in any region). Before any byte moves, each
-run is checked: by :meth:`Span.offsets` (staging) to lie inside one region; by
-:meth:`Span.check` (the kernel mover) to lie inside the tensor, each run lying in one
-region by the plan's construction (ids range-checked, region sizes checked at the
-handshake).
+"""Local copies for device memory with torch kernels (on the CPU in tests): the device
+counterpart of :class:`kvbridge.connector.copies.LocalMemory`, and the :class:`Span`
+(one ``uint8`` tensor over several regions) the kernel mover copies between.
 """
 
 from __future__ import annotations
@@ -59,9 +52,7 @@ class Span:
     ) -> None:
         """Runs of a plan made over :attr:`bases` (tensor offsets; ``lengths``: the
         shortest and longest of ``length``): a run outside the tensor is a
-        :class:`TransportError` before any byte moves. That each lies in one region follows
-        from how the plan is made (ids range-checked, region sizes checked at the
-        handshake); this bounds the copy whatever the plan says, in two reductions."""
+        :class:`TransportError` before any byte moves (``docs/gpu.md``, kernel mover)."""
         if not off.shape[0]:
             return
         top = self.tensor.shape[0]
@@ -93,12 +84,9 @@ class Span:
 
     def _region_of(self, addr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(index, start, end)`` of the region whose start is the last ≤ ``addr[i]``
-        (index -1: none; then start and end are those of region 0).
-
-        A plan's runs come region after region (a layer's blocks, in any order), and a
-        binary search over unsorted keys is slow (16,384 runs: ~0.8 ms here, ~0.1 ms
-        sorted), so every ``STRIDE``-th run is searched, its neighbours assumed in the same
-        region, and only the runs where that guess fails are searched again."""
+        (index -1: none; then start and end are those of region 0). Runs come region after
+        region, and a search over unsorted keys is slow (16,384 runs: ~0.8 ms, ~0.1 ms
+        sorted): every ``STRIDE``-th run is searched, the others only where its guess fails."""
         if self.names.shape[0] == 1:
             idx = np.where(addr >= self.names[0], 0, -1)
             return (
@@ -122,12 +110,9 @@ def equal_runs(
     d_off: np.ndarray, s_off: np.ndarray, length: np.ndarray
 ) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """Runs as few groups of equal length as possible, for one copy call each:
-    ``[(destination offsets, source offsets, bytes per run)]``.
-
-    Joined runs of consecutive blocks have lengths that are multiples of one block's run
-    (32 KiB, 64 KiB, 96 KiB, …: 14 lengths in an 8k-token request): cut into pieces of
-    the lengths' greatest common divisor they are one group, one launch, where grouping by
-    length would take one launch (and its host overhead) per length."""
+    ``[(destination offsets, source offsets, bytes per run)]``. Joined runs of consecutive
+    blocks (32 KiB, 64 KiB, 96 KiB, …) cut into pieces of their lengths' greatest common
+    divisor are one group, one launch, not one per length."""
     n = int(length.shape[0])
     if n == 0:
         return []

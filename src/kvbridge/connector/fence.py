@@ -1,19 +1,7 @@
-"""Fencing failed loads: D reports a failed request only once none of its bytes can land.
-
-Neither NIXL nor UCX cancels a posted transfer: releasing a READ that is still running
-(a stopped P rank, a cut link) does not stop it, and over TCP its bytes land whenever
-the peer resumes — in blocks D's engine may by then have given to another request
-(measured: 16 MiB of 16 MiB landed after release and after ``remove_remote_agent``).
-So a failed load whose transfers may still run is *fenced*: its outcome is held back,
-and with it the destination blocks (the engine cannot reuse blocks of a request it has
-not been told about), until every such transfer has ended — done, or failed as the
-transport reports it — and, for push, until each P rank that wrote has answered that
-its writes for the request ended. Then the outcome is delivered, with the seconds it
-was held in ``stages["fence"]``. A staging slot held by the load is given back then.
-
-The engine sees the failure late only while the transfer really can still land; a dead
-peer ends it quickly (the transport reports the failure). Held loads are counted by
-:meth:`Fence.held` and logged once when fenced.
+"""Fencing failed loads: D reports a failed request only once none of its bytes can land
+(posted transfers cannot be cancelled; ``docs/faults.md``). The outcome, and with it the
+destination blocks, is held until every transfer ended and every P rank that pushed said
+its writes ended; the seconds held go to ``stages["fence"]``.
 """
 
 from __future__ import annotations
@@ -24,8 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from kvbridge.connector.load import Outcome
-from kvbridge.transport.base import Transport, XferHandle
+from kvbridge.connector.peers import Peer
+from kvbridge.control.channel import Client
+from kvbridge.control.messages import FenceReply, PushFence
+from kvbridge.errors import KVBridgeError, TransferFailed, TransportError
+from kvbridge.transport.base import Region, Transport, XferHandle, XferState
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +39,8 @@ class Held:
 
 class Fence:
     """Holds failed loads until their transfers ended; ``deliver`` gets each outcome.
-
-    Only the fence's own thread asks P ranks (each question may wait up to a second);
-    an exception while checking or releasing one load is logged and that load is checked
-    again later — the thread never dies of it. A load held for a long time is logged
-    again every :attr:`REMIND_S` seconds."""
+    Only its own thread asks P ranks; an exception while checking one load is logged and
+    the load checked again later. A load still held is logged every :attr:`REMIND_S` s."""
 
     REMIND_S = 60.0
 
@@ -145,3 +136,92 @@ class Fence:
         with self._lock:
             out, self._held = self._held, []
         return out
+
+
+FENCE_TIMEOUT_S = 1.0
+"""One fence question to a P rank waits this long for its answer (then asked again)."""
+
+
+class ProbeArea:
+    """A few registered bytes of D's own, the landing place of liveness probes."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(64, np.uint8)
+        self.region = Region(int(self.buf.ctypes.data), int(self.buf.nbytes))
+
+
+def push_fence_checks(
+    peer: Peer,
+    request_id: str,
+    ranks: list[int],
+    transport: Transport,
+    probe_addr: int,
+    d_engine: str,
+) -> tuple[list[Callable[[], bool]], list[Callable[[], None]]]:
+    """One check per P rank in ``ranks``: True once that rank answered that none of its
+    writes for ``request_id`` from D instance ``d_engine`` is running (it then refuses any
+    later push of it), or once a 1-byte READ from it to ``probe_addr`` (D's own) was posted
+    and then failed as NIXL reports it (a killed rank; the probe's limit:
+    ``docs/faults.md``). Also the closers."""
+    checks: list[Callable[[], bool]] = []
+    closers: list[Callable[[], None]] = []
+    for src in sorted(set(ranks)):
+        info = peer.ranks[src]
+        client = Client(info.endpoint, peer.secret, FENCE_TIMEOUT_S, peer.keys)
+        fence = PushFence(request_id, d_engine)
+        check = _RankFence(client, fence, transport, peer.agents.get(src), probe_addr)
+        check.remote = info.bases[0] if info.bases else None
+        checks.append(check)
+        closers.append(check.close)
+    return checks, closers
+
+
+class _RankFence:
+    """Asks one P rank whether its writes for a request ended; if it does not answer,
+    probes whether its agent still lives (a stopped or cut-off rank: ask again later)."""
+
+    def __init__(
+        self, client: Client, fence: PushFence, transport: Transport, agent: str | None, local: int
+    ):
+        self.client, self.fence = client, fence
+        self.transport, self.agent, self.local = transport, agent, local
+        self.remote: int | None = None
+        self.probe: XferHandle | None = None
+
+    def __call__(self) -> bool:
+        try:
+            reply = self.client.call(self.fence)
+        except KVBridgeError:
+            return self._agent_gone()
+        return isinstance(reply, FenceReply) and reply.ended
+
+    def _agent_gone(self) -> bool:
+        if self.agent is None or self.remote is None or not self.local:
+            return False
+        if self.probe is None:
+            one = np.ones(1, np.uint64)
+            try:
+                self.probe = self.transport.read(
+                    self.agent, one * self.local, one * self.remote, one
+                )
+            except TransferFailed:
+                return True  # posted, and NIXL says it failed: the rank's connection is gone
+            except TransportError:
+                return False  # not posted (e.g. unknown peer): proves nothing, ask again
+        try:
+            state = self.transport.poll(self.probe)
+        except TransferFailed:
+            self.probe = None
+            return True  # the READ failed: the rank's connection is gone
+        except TransportError:
+            self.probe = None
+            return False
+        if state is XferState.DONE:
+            self.probe.release()
+            self.probe = None  # alive but silent: ask again
+        return False
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.release()
+        self.client.close()

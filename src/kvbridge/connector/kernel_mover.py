@@ -1,30 +1,14 @@
-"""The kernel mover: within a node, D maps P's regions and copies a request's runs with one
-gather-scatter (per source rank), no NIXL descriptor and no staging area.
-
-    P rank ── shares (CUDA IPC handles / shm files) over the side channel, at handshake ──► D
-    D rank:  P's regions mapped here (transport/ipc.py)     D's regions
-               └── one byte tensor over them (Span) ──rows_copy──► one byte tensor (Span)
-
-A :class:`Span` is one tensor spanning every region of a rank (P's as mapped here, D's
-own); D plans a request in a geometry over those tensors' offsets (:meth:`geometry`,
-made once per P epoch), so a run's addresses are tensor offsets with no per-run lookup
-(host time: ~0.1 ms at 8k tokens), and runs sharing a long divisor are cut to that one
-length (:func:`~kvbridge.connector.device_memory.equal_runs`), so one kernel serves runs in
-any region and of any such length (nothing between regions is touched: each run lies in
-one region by the plan's construction, and every run is bounds-checked first). On a GPU
-the copies run on the mover's own CUDA stream and :meth:`KernelMover.move` returns only
-once they completed, also when it fails: a failed load is reported only after the kernels
-ended. The lease rules are the connector's, as for any mover: nothing is read before P
-answered ``begin``, and success needs the lease to have held until the copy ended.
-Measured on an H100 with a prototype (``docs/gpu.md``): 65,536 runs of 1 KiB in
-0.103 ms, 1.5x a contiguous copy of the same bytes; 586-756 ms as NIXL descriptors.
+"""The kernel mover: within a node, D maps P's regions (``transport/ipc.py``) and copies a
+request's runs with one gather-scatter per source rank, no NIXL descriptor and no staging
+(``docs/gpu.md``). D plans in a geometry over the offsets of :class:`Span` tensors (P's
+regions as mapped here, D's own), so runs need no per-run address lookup; every run is
+bounds-checked first, and :meth:`KernelMover.move` returns only once its copies ended.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,29 +69,21 @@ class KernelMover:
         self._geometries: dict[str, tuple[tuple[int, ...], Over]] = {}
         """Per P engine id: (the mappings it was made over, geometry over their offsets)."""
 
-    def why_not(self, peer: Peer, sources: Iterable[int]) -> str:
-        """Why this mover cannot serve ``peer``'s ranks ``sources`` ("" if it may: whether
-        their memory maps here, :meth:`geometry` finds out)."""
-        for src in sources:
-            info = peer.ranks.get(src)
-            if info is None or not info.shares:
-                return f"P rank {src} shares no memory"
-            if info.node != node_id():
-                return f"P rank {src} runs on another node"
-            if info.memory_kind() is not self.kind:
-                return f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
-        return ""
-
     def geometry(self, peer: Peer) -> tuple[Over | None, str]:
         """The pair's geometry over the offsets of the memory this mover copies between
         (P's regions as mapped here now, D's own), to plan a request in; ``(None, why)`` if
-        this mover cannot serve ``peer``. Made once per mapping of P's ranks (not per
-        epoch: a P's memory mapped again lands elsewhere). A plan made in it addresses the
-        spans' tensors directly: no address is looked up per run (host time)."""
+        this mover cannot serve ``peer``. Made once per mapping of P's ranks."""
         sources = sorted(peer.geometry.links)
-        why = self.why_not(peer, sources)
-        if why or peer.remake is None:
-            return None, why or "no geometry over mapped memory"
+        for src in sources:
+            info = peer.ranks.get(src)
+            if info is None or not info.shares:
+                return None, f"P rank {src} shares no memory"
+            if info.node != node_id():
+                return None, f"P rank {src} runs on another node"
+            if info.memory_kind() is not self.kind:
+                return None, f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
+        if peer.remake is None:
+            return None, "no geometry over mapped memory"
         held: list[_Mapped] = []
         src = -1
         try:
@@ -134,10 +110,9 @@ class KernelMover:
 
     def move(self, peer: Peer, runs: dict[int, Runs], bases: dict[int, tuple[int, ...]]) -> int:
         """Copy every run of ``runs`` (per P rank; planned in :meth:`geometry` over P's
-        regions at ``bases``, offsets in the spans) from P's mapped memory; the number of
-        copy calls. A P rank's memory mapped again since (elsewhere) is a
-        :class:`TransportError` before any byte moves. Returns (or raises) only once
-        every copy it started has ended."""
+        regions at ``bases``) from P's mapped memory; the number of copy calls. P's memory
+        mapped again since is a :class:`TransportError` before any byte moves. Returns (or
+        raises) only once every copy it started has ended."""
         calls, held = 0, []
         try:
             for src, r in runs.items():
@@ -198,17 +173,14 @@ class KernelMover:
     def _open(self, peer: Peer, src: int) -> tuple[Opened, Span]:
         info = peer.ranks[src]
         shares = rank_shares(info)
+        opened: Opened | None = None
         try:
             opened = Opened(shares, self.kind, self.device)
-        except TransportError:
-            raise
-        except Exception as exc:  # e.g. torch or the driver refusing the pointer
-            raise TransportError(f"mapping P rank {src}'s memory: {exc!r}") from exc
-        try:
             here = regions_at(opened.bases, tuple(s.nbytes for s in shares), self.kind, self.device)
             return opened, Span(here, names=list(info.bases))
-        except Exception as exc:
-            opened.close()
+        except Exception as exc:  # e.g. torch or the driver refusing the pointer
+            if opened is not None:
+                opened.close()
             if isinstance(exc, TransportError):
                 raise
             raise TransportError(f"mapping P rank {src}'s memory: {exc!r}") from exc

@@ -12,11 +12,11 @@ import threading
 from collections.abc import Callable
 
 from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.load import _Load, checked_reply, lease_op
+from kvbridge.connector.load import _Load
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, Message
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class LeaseCalls:
         if op == "begin":
             with self._turn:
                 self._turn.wait_for(lambda: self._renewing is not job)
-        return lease_op(job, op, self.who)
+        (engine, epoch, rank, world), h = self.who, job.handle
+        token = job.token  # its ``begin`` reply's ("" before it began)
+        return LeaseOp(op, h.request_id, h.lease_id, job.digest, engine, rank, world, epoch, token)
 
     def call(
         self, peer: Peer | Client, job: _Load, op: LeaseOpName, since: float | None = None
@@ -89,14 +91,6 @@ class LeaseCalls:
             if peer is not None and not job.refused:
                 self.call(peer, job, "fail")
 
-    def start_renewing(
-        self, stop: threading.Event, waiting: Callable[[], list[_Load]]
-    ) -> threading.Thread:
-        """A daemon thread running :meth:`renew_loop`, started."""
-        thread = threading.Thread(target=self.renew_loop, args=(stop, waiting), daemon=True)
-        thread.start()
-        return thread
-
     def renew_loop(self, stop: threading.Event, waiting: Callable[[], list[_Load]]) -> None:
         """Every second until ``stop``, renew the leases of the ``waiting`` loads (in the
         queue or in a handshake: a first NIXL connection has been seen to take 31 s here):
@@ -139,3 +133,20 @@ class LeaseCalls:
             with self._turn:
                 self._renewing = None
                 self._turn.notify_all()
+
+
+def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseReply:
+    """P's answer to ``op``; anything but ``held`` raised as a typed error."""
+    if not isinstance(reply, LeaseReply):
+        raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
+    if reply.state == "mismatch":
+        raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
+    if reply.state == "refused":
+        raise PeerError(
+            f"P refused {op} of {h.request_id!r} from this D rank (it began or reported already)"
+        )
+    if reply.state == "foreign":
+        raise PeerError(f"P refused {op} of {h.request_id!r}: {reply.reason} (not this D's lease)")
+    if reply.state != "held":
+        raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
+    return reply

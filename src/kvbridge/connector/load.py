@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer
-from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, Message, tables_digest
-from kvbridge.errors import LeaseExpired, PeerError
+from kvbridge.control.messages import tables_digest
 from kvbridge.plan.tables import Tables
 from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
@@ -27,7 +26,7 @@ class Mode(enum.StrEnum):
     """D sends its plan; each P rank writes into D's blocks and notifies."""
     AUTO = "auto"
     """Per P instance, whichever of READ and WRITE D measured faster at the first load
-    (:mod:`kvbridge.connector.directions`): push where READ is emulated (GPU memory
+    (:func:`kvbridge.connector.movers.measure`): push where READ is emulated (GPU memory
     between two processes without RDMA: 0.5 GB/s against 1 TB/s), else pull."""
 
 
@@ -131,31 +130,6 @@ class _Load:
         now = time.perf_counter()
         self.stages[stage] = now - self.mark
         self.mark = now
-
-
-def lease_op(job: _Load, op: LeaseOpName, who: tuple[str, str, int, int]) -> LeaseOp:
-    """Lease message ``op`` about ``job``'s request from D rank ``who`` = (engine id,
-    epoch, rank, world), with the token of its ``begin`` reply ("" before it began)."""
-    h, token, digest = job.handle, job.token, job.digest
-    engine, epoch, rank, world = who
-    return LeaseOp(op, h.request_id, h.lease_id, digest, engine, rank, world, epoch, token)
-
-
-def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseReply:
-    """P's answer to ``op``; anything but ``held`` raised as a typed error."""
-    if not isinstance(reply, LeaseReply):
-        raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
-    if reply.state == "mismatch":
-        raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
-    if reply.state == "refused":
-        raise PeerError(
-            f"P refused {op} of {h.request_id!r} from this D rank (it began or reported already)"
-        )
-    if reply.state == "foreign":
-        raise PeerError(f"P refused {op} of {h.request_id!r}: {reply.reason} (not this D's lease)")
-    if reply.state != "held":
-        raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
-    return reply
 
 
 def failed_blocks(spec: ModelSpec, job: _Load) -> list[list[int]]:

@@ -1,12 +1,10 @@
-"""The movers a D rank's load may take (``docs/gpu.md``), by name in one registry.
-
-A :class:`MoverKind` says when it serves a load and how it moves it; D tries them in
-``order`` (lowest first, fixed when the :class:`~kvbridge.connector.consumer.Consumer` is
-made) and the first that serves runs; its name is ``Outcome.mover``. A mover may plan the
-load in a geometry of its own (``plan_in``, asked before the load is planned): such a
-plan is then moved by that mover only. Built in: ``kernel`` (P's memory mapped within a
-node), ``push`` and ``pull`` (over the transport, as the configured or measured direction
-says).
+"""The movers a D rank's load may take, by name in one registry (``docs/gpu.md``): D tries
+them in ``order`` and the first that serves moves the load (``Outcome.mover``). Built in:
+``kernel``, ``push`` and ``pull``. In :attr:`~kvbridge.connector.load.Mode.AUTO` push or
+pull is measured once per P epoch: D READs up to PROBE_BYTES of a P rank's first region
+into a staging slot, then asks that rank to WRITE the same bytes there; push wins when
+WRITE took less than 1/``MARGIN`` of READ's time. A probe still running at its deadline
+keeps the slot out of the pool.
 """
 
 from __future__ import annotations
@@ -17,12 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.directions import measure
+import numpy as np
+
 from kvbridge.connector.load import Mode, _Load
 from kvbridge.connector.peers import Peer
 from kvbridge.connector.pull import pull
-from kvbridge.connector.push import PushBind, push_runs
-from kvbridge.connector.push_staging import StagedPusher, choose_push
+from kvbridge.connector.push import Pusher, choose_push, push_staged, reply_runs
+from kvbridge.control.messages import PushRuns
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.geometry import Geometry
 from kvbridge.plan.plan import Plan
@@ -104,16 +103,89 @@ def _kernel_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
     job.posted += d.kernel.move(peer, plan.runs, job.mapped)
 
 
+PROBE_BYTES = 8 << 20
+MARGIN = 1.5
+PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Directions:
+    """What one measurement found: seconds for ``nbytes`` each way (inf: failed)."""
+
+    nbytes: int
+    read_s: float
+    write_s: float
+    note: str = ""
+
+    def choice(self) -> tuple[Mode, str]:
+        """``(pull or push, why)``."""
+        if self.note:
+            return Mode.PULL, f"auto: pull ({self.note})"
+        speeds = f"READ {_rate(self.nbytes, self.read_s)}, WRITE {_rate(self.nbytes, self.write_s)}"
+        if self.write_s * MARGIN < self.read_s:
+            return Mode.PUSH, f"auto: push, measured {speeds}"
+        return Mode.PULL, f"auto: pull, measured {speeds}"
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if 0 < seconds < float("inf") else "failed"
+
+
+def measure(d: Consumer, peer: Peer, src: int) -> Directions:
+    """Time a READ and a WRITE of the same bytes between P rank ``src`` and D's staging
+    slot; both land in the slot, never in a KV block."""
+    stager = d.stager
+    if stager is None:
+        return Directions(0, 0.0, 0.0, "no staging slot to probe into")
+    info = peer.ranks.get(src)
+    if info is None or not info.endpoint or not info.regions:
+        return Directions(0, 0.0, 0.0, f"P rank {src} serves no push channel")
+    size = min(PROBE_BYTES, stager.pool.slot_bytes, info.regions[0])
+    slot = stager.pool.take(PROBE_TIMEOUT_S)
+    if slot is None:
+        return Directions(0, 0.0, 0.0, "no free staging slot")
+    clean = False
+    try:
+        at = stager.pool.region.addr + slot * stager.pool.slot_bytes
+        one = np.ones(1, np.uint64)
+        local, remote, n = one * at, one * info.bases[0], one * size
+        t0 = time.perf_counter()
+        d.transport.wait(d.transport.read(peer.agents[src], local, remote, n), PROBE_TIMEOUT_S)
+        read_s = time.perf_counter() - t0
+        write_s = _write(d, peer, src, (local, remote, n))
+        clean = True
+    except KVBridgeError as exc:
+        return Directions(size, float("inf"), float("inf"), f"probe failed: {exc}")
+    finally:
+        stager.pool.give_back(slot, clean)
+    return Directions(size, read_s, write_s)
+
+
+def _write(
+    d: Consumer, peer: Peer, src: int, runs: tuple[np.ndarray, np.ndarray, np.ndarray]
+) -> float:
+    """Seconds from asking P rank ``src`` to write ``runs`` (local = D) to their landing."""
+    local, remote, n = (a.astype("<u8").tobytes() for a in runs)
+    notif = f"kvb-probe:{secrets.token_hex(8)}".encode()
+    probe = PushRuns(
+        "probe:" + notif.decode(), d.metadata, src=remote, dst=local, nbytes=n, notif=notif,
+        nonce=notif.decode(), d_engine=d.engine_id,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    reply_runs(peer.rank_client(src).call(probe), "probe")
+    d.await_notifs({notif}, time.monotonic() + PROBE_TIMEOUT_S)
+    return time.perf_counter() - t0
+
+
 def direction(d: Consumer, peer: Peer, src: int) -> tuple[Mode, str]:
     """Pull or push, and why: the configured mode, or (AUTO) what D measured with
-    this P epoch (once; :mod:`kvbridge.connector.directions`)."""
+    this P epoch (once, :func:`measure`)."""
     if d.mode is not Mode.AUTO:
         return d.mode, f"{d.mode.value} mode"
     with d.measuring:
         key = (peer.engine_id, peer.epoch)
         if key not in d.directions:
-            args = (d.stager, peer, src, d.metadata, d.await_notifs, d.engine_id)
-            d.directions[key] = measure(d.transport, *args)
+            d.directions[key] = measure(d, peer, src)
         return d.directions[key].choice()
 
 
@@ -134,25 +206,24 @@ def _push_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
     the load fail, returns to the pool only after the fence (``job.slot``)."""
     deadline = time.monotonic() + d.timeout_s
     t0 = time.perf_counter()
-    rid, runs = job.handle.request_id, plan.runs
+    runs = plan.runs
     stager = d.stager if d.staging else None
     staged = choose_push(stager, runs) if stager is not None else None
     if staged is not None:
         job.slot = staged.slot
         runs = {src: r for src, r in runs.items() if src not in staged.ranks}
     job.nonce = secrets.token_hex(16)  # retired at P with each rank's last message
-    bind = PushBind(job.token, d.leases.epoch, job.nonce, d.engine_id)
-    want, job.posted = push_runs(peer, rid, runs, d.rank, d.metadata, job.pushed, bind)
+    pusher = Pusher(peer, job, d.leases.who, d.metadata)
+    want, job.posted = pusher.direct(runs)
     d.await_notifs(want, deadline)
     if stager is None or staged is None:
         if stager is not None:
             nbytes = sum(r.nbytes for r in runs.values())
             stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
         return
-    pusher = StagedPusher(
-        stager, peer, rid, d.rank, d.metadata, lambda w: d.await_notifs(w, deadline), bind
+    posted, job.staged_runs = push_staged(
+        stager, pusher, staged, lambda w: d.await_notifs(w, deadline)
     )
-    posted, job.staged_runs = pusher.run(staged, job.pushed)
     job.posted += posted
     stager.pool.give_back(staged.slot, True)
     job.slot = None

@@ -45,12 +45,9 @@ class Peer:
     client: Client
     agents: dict[int, str]
     geometry: Geometry
-    endpoints: dict[int, str]
     secret: bytes
     timeout_s: float = 5.0
     clients: dict[int, Client] = field(default_factory=dict)
-    probe_addrs: dict[int, int] = field(default_factory=dict)
-    """Per P rank, one address in its registered memory (a liveness probe reads 1 B)."""
     keys: Keys | None = None
     """CURVE keys of the side channels (None: derived from ``secret``)."""
     regions: dict[int, Regions] = field(default_factory=dict)
@@ -58,19 +55,18 @@ class Peer:
     users: int = 0
     """Loads using this peer now (:meth:`PeerCache.get` … :meth:`PeerCache.done`)."""
     ranks: dict[int, RankInfo] = field(default_factory=dict)
-    """What each P rank said at the handshake (memory kind, node, shares)."""
+    """What each P rank said at the handshake (endpoint, memory kind, node, shares)."""
     remake: Callable[[dict[int, tuple[int, ...]], tuple[int, ...]], Geometry] | None = None
     """The pair's geometry over other region bases (per P rank, and D's): the kernel
     mover plans in offsets of the memory it mapped."""
 
     def rank_client(self, rank: int) -> Client:
         """Side channel of one P rank (push requests)."""
-        if not self.endpoints.get(rank):
+        info = self.ranks.get(rank)
+        if info is None or not info.endpoint:
             raise PeerError(f"P rank {rank} of {self.engine_id!r} serves no push channel")
         if rank not in self.clients:
-            self.clients[rank] = Client(
-                self.endpoints[rank], self.secret, self.timeout_s, self.keys
-            )
+            self.clients[rank] = Client(info.endpoint, self.secret, self.timeout_s, self.keys)
         return self.clients[rank]
 
 
@@ -222,9 +218,7 @@ class PeerCache:
     ) -> Peer:
         laps = [time.perf_counter()]
         p_par = Parallel(reply.tp, reply.pp, tuple(tuple(s) for s in reply.stages))  # type: ignore[misc]
-        if len(reply.ranks) != p_par.world or [r.rank for r in reply.ranks] != list(
-            range(p_par.world)
-        ):
+        if [r.rank for r in reply.ranks] != list(range(p_par.world)):
             raise PeerError(f"handshake lists ranks {[r.rank for r in reply.ranks]}")
         layouts = [rank_layout(info) for info in reply.ranks]
         for info, lay in zip(reply.ranks, layouts, strict=True):
@@ -235,10 +229,9 @@ class PeerCache:
         p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]
         geometry = self._remake(spec_p, p_par, p_bound, {}, self.bound.bases)
         laps.append(time.perf_counter())
-        agents = {}
-        for info in reply.ranks:
-            if info.rank in _sources(geometry):
-                agents[info.rank] = self.transport.add_peer(info.agent)
+        sources = {b.src_rank for g in geometry.groups for b in g.buckets}
+        add = self.transport.add_peer
+        agents = {i.rank: add(i.agent) for i in reply.ranks if i.rank in sources}
         laps.append(time.perf_counter())
         if laps[-1] - t0 > 1.0:
             call, geom, peers = laps[0] - t0, laps[1] - laps[0], laps[2] - laps[1]
@@ -246,17 +239,14 @@ class PeerCache:
                 "handshake with %s took %.1f s (reply %.1f s, geometry %.1f s, NIXL peers %.1f s)",
                 handle.engine_id, laps[-1] - t0, call, geom, peers,
             )  # fmt: skip
-        endpoints = {info.rank: info.endpoint for info in reply.ranks}
         return Peer(
             reply.engine_id,
             reply.epoch,
             client,
             agents,
             geometry,
-            endpoints,
             self.secret,
             self.timeout_s,
-            probe_addrs={i.rank: i.bases[0] for i in reply.ranks if i.bases},
             keys=self.keys.toward(reply.engine_id) if self.keys else None,
             regions={
                 i.rank: regions_of(i.bases, lay.regions)
@@ -296,7 +286,3 @@ class PeerCache:
             self._stale = []
         for peer in peers:
             self._forget(peer)
-
-
-def _sources(geometry: Geometry) -> set[int]:
-    return {b.src_rank for g in geometry.groups for b in g.buckets}

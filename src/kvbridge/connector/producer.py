@@ -12,13 +12,13 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from kvbridge.connector.handle import Tokens, TransferHandle, prompt_digest
-from kvbridge.connector.ordering import Event, wait_written
-from kvbridge.connector.push_gather import PushGather
-from kvbridge.connector.push_ledger import PushLedger
+from kvbridge.connector.push_gather import PushGather, PushLedger
 from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
 from kvbridge.control.messages import (
@@ -46,22 +46,22 @@ from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel
 from kvbridge.transport.base import Transport, XferHandle
 from kvbridge.transport.ipc import export
+from kvbridge.transport.memory import torch_device
+
+
+class Event(Protocol):
+    """What ``written`` waits on: ``torch.cuda.Event`` has it (``query()``: done yet)."""
+
+    def query(self) -> bool: ...
 
 
 class ProducerWorker:
     """Registers one P rank's regions (``bases[i]`` holds ``layout.regions[i]`` bytes).
 
     With a ``secret`` it also serves push requests on its own side channel: D sends the
-    runs it planned, this rank writes them into D and notifies D when they landed. A
-    write still running at its deadline is kept (not released: that would not cancel
-    it) until D asks :class:`PushFence`; the answer says whether it ended, and the rank
-    refuses any later push of a fenced request (D fences before it reports a failure).
-    Each load's pushes are written at most once (:mod:`kvbridge.connector.push_ledger`):
-    a replay gets :class:`PushRefused`.
-
-    A staged push (``PushRuns.staged``) is gathered into one of ``push_slots`` staging
-    slots of ``push_slot_bytes`` (registered here; 0 slots: none) and written as a few
-    spans; a slot returns once its write ended (:mod:`kvbridge.connector.push_gather`).
+    runs it planned, this rank writes them into D (staged: gathered into one of
+    ``push_slots`` slots of ``push_slot_bytes`` first) and notifies D; each load's pushes
+    are written once, and a fenced request is refused (``docs/faults.md``).
     """
 
     FENCED_KEPT = 65536
@@ -97,7 +97,7 @@ class ProducerWorker:
         self._fenced: OrderedDict[tuple[str, str], None] = OrderedDict()
         """Both by (D engine id, request id)."""
         self.ledger = PushLedger()
-        """Each load's pushes written once; refusals by cause (``connector/push_ledger.py``)."""
+        """Each load's pushes written once; refusals by cause (``connector/push_gather.py``)."""
         self._slots: dict[XferHandle, int] = {}
         """The staging slot each kept write reads from."""
         regions = regions_at(bases, layout.regions, memory, device)
@@ -155,13 +155,11 @@ class ProducerWorker:
             self._running.setdefault((msg.d_engine, msg.request_id), []).append(handle)
             if slot is not None:
                 self._slots[handle] = slot  # back once the write ended
+                slot = None
             raise
-        except BaseException:
+        finally:
             if slot is not None and self.gather is not None:
-                self.gather.release(slot)  # failed as the transport reports it: ended
-            raise
-        if slot is not None and self.gather is not None:
-            self.gather.release(slot)
+                self.gather.release(slot)  # ended: done, or failed as the transport reports
         return PushReply(posted)
 
     def _ended(self, handle: XferHandle) -> bool:
@@ -175,12 +173,15 @@ class ProducerWorker:
 
     def _sweep(self) -> None:
         """Release kept writes that ended, whoever asks (D may never ask again)."""
-        for rid in list(self._running):
-            left = [h for h in self._running[rid] if not self._ended(h)]
-            if left:
-                self._running[rid] = left
-            else:
-                del self._running[rid]
+        for key in list(self._running):
+            self._left(key)
+
+    def _left(self, key: tuple[str, str]) -> list[XferHandle]:
+        """The kept writes of ``key`` still running (those that ended are released)."""
+        left = [h for h in self._running.pop(key, []) if not self._ended(h)]
+        if left:
+            self._running[key] = left
+        return left
 
     def _fence(self, request_id: str, d_engine: str) -> FenceReply:
         key = (d_engine, request_id)
@@ -188,16 +189,25 @@ class ProducerWorker:
         self.ledger.fence(request_id, d_engine)
         while len(self._fenced) > self.FENCED_KEPT:
             self._fenced.popitem(last=False)
-        left = [h for h in self._running.pop(key, []) if not self._ended(h)]
-        if left:
-            self._running[key] = left
-        return FenceReply(request_id, not left)
+        return FenceReply(request_id, not self._left(key))
 
     def written(self, event: Event | None = None, timeout_s: float = 10.0) -> None:
         """Return once the engine's KV writes before ``event`` (e.g. a ``torch.cuda.Event``
         recorded after the step's last KV write; None: the device's current stream) are
-        complete. Call it before the step's handles leave P (:mod:`kvbridge.connector.ordering`)."""
-        wait_written(event, self.memory, self.device, timeout_s)
+        complete; :class:`TransferTimeout` after ``timeout_s`` (polled every 50 µs → 1 ms).
+        Call it before the step's handles leave P (``docs/gpu.md``, ordering)."""
+        if event is None:
+            on = torch_device(self.memory, self.device)
+            if on.type != "cuda":
+                return  # host memory (or emulated on the CPU): nothing queued to wait for
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(on))
+        deadline, pause = time.monotonic() + timeout_s, 50e-6
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"KV writes not complete after {timeout_s} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def close(self) -> None:
         if self.server is not None:

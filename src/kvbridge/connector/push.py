@@ -1,5 +1,7 @@
-"""D's half of push mode: ask each P rank to write its runs, and ask it again, after a
-failure, whether those writes ended (the fence, :mod:`kvbridge.connector.fence`)."""
+"""D's half of push mode: each P rank writes its runs into D's blocks direct, or (many
+small runs) into D's staging slot at contiguous offsets, round by round, D scattering a
+round once every notification of it arrived (``docs/faults.md``, staged push). A failed
+load keeps the slot until the fence (:mod:`kvbridge.connector.fence`)."""
 
 from __future__ import annotations
 
@@ -8,59 +10,63 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.connector.load import _Load
 from kvbridge.connector.peers import Peer
-from kvbridge.control.channel import Client
-from kvbridge.control.messages import (
-    FenceReply,
-    Message,
-    PushFence,
-    PushRefused,
-    PushReply,
-    PushRuns,
-)
-from kvbridge.errors import KVBridgeError, PeerError, TransferFailed, TransportError
+from kvbridge.connector.staging import Chunk, Stager
+from kvbridge.control.messages import Message, PushRefused, PushReply, PushRuns
+from kvbridge.errors import PeerError
 from kvbridge.plan.runs import Runs
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState
-
-FENCE_TIMEOUT_S = 1.0
-"""One fence question to a P rank waits this long for its answer (then asked again)."""
-
-
-class ProbeArea:
-    """A few registered bytes of D's own, the landing place of liveness probes."""
-
-    def __init__(self) -> None:
-        self.buf = np.zeros(64, np.uint8)
-        self.region = Region(int(self.buf.ctypes.data), int(self.buf.nbytes))
 
 
 @dataclass(frozen=True, slots=True)
-class PushBind:
-    """What binds a load's pushes to its lease (:mod:`kvbridge.connector.push_ledger`):
-    the ``begin`` token, D's epoch, the nonce D issued for the load and D's engine id."""
+class Pusher:
+    """``job``'s pushes from D rank ``who`` = (engine id, epoch, rank, world; transport
+    metadata ``agent``), bound to its lease (:class:`~kvbridge.connector.push_gather.PushLedger`) by
+    its ``begin`` token, D's epoch, the nonce D issued for the load and D's engine id.
+    ``job.pushed`` gets each P rank before it is asked (it may write even if the call
+    fails)."""
 
-    token: str
-    epoch: str
-    nonce: str
-    engine: str
+    peer: Peer
+    job: _Load
+    who: tuple[str, str, int, int]
+    agent: bytes
 
-    def message(
+    def notif(self, src: int) -> str:
+        """The notification of P rank ``src``'s writes (a staged round appends to it)."""
+        return f"kvb:{self.job.handle.request_id}:{self.job.nonce}:{src}:{self.who[2]}"
+
+    def ask(
         self,
-        request_id: str,
-        agent: bytes,
-        arrays: list[bytes],
+        src: int,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray],
         notif: bytes,
-        part: int = 0,
-        last: bool = True,
+        part: tuple[int, bool] = (0, True),
         staged: bool = False,
-    ) -> PushRuns:
-        """The push of ``arrays`` (src, dst, nbytes: uint64 bytes), message ``part``."""
-        s, d, n = arrays
-        return PushRuns(
-            request_id, agent, src=s, dst=d, nbytes=n, notif=notif, staged=staged,
-            token=self.token, d_epoch=self.epoch, nonce=self.nonce, part=part, last=last,
-            d_engine=self.engine,
+    ) -> int:
+        """Ask P rank ``src`` to write ``runs`` (its sources, D's destinations, lengths)
+        as message ``part`` = (number, the last to that rank) of the load; the
+        descriptors it posted."""
+        s, d, n = (a.astype("<u8").tobytes() for a in runs)
+        job, (engine, epoch, _, _) = self.job, self.who
+        msg = PushRuns(
+            job.handle.request_id, self.agent, src=s, dst=d, nbytes=n, notif=notif,
+            staged=staged, token=job.token, d_epoch=epoch, nonce=job.nonce, part=part[0],
+            last=part[1], d_engine=engine,
         )  # fmt: skip
+        client = self.peer.rank_client(src)  # a rank without a push channel: nothing sent
+        job.pushed.append(src)
+        return reply_runs(client.call(msg), "staged push" if staged else "push")
+
+    def direct(self, runs: dict[int, Runs]) -> tuple[set[bytes], int]:
+        """Send each source rank its runs (one message, the last of the load to that
+        rank): the notifications that will say they landed, and the descriptors posted."""
+        want = set()
+        total = 0
+        for src, r in runs.items():
+            notif = self.notif(src).encode()
+            total += self.ask(src, r.as_uint64(), notif)
+            want.add(notif)
+        return want, total
 
 
 def reply_runs(reply: Message, what: str) -> int:
@@ -72,107 +78,75 @@ def reply_runs(reply: Message, what: str) -> int:
     return reply.runs
 
 
-def push_runs(
-    peer: Peer,
-    request_id: str,
-    runs: dict[int, Runs],
-    rank: int,
-    agent: bytes,
-    pushed: list[int],
-    bind: PushBind,
-) -> tuple[set[bytes], int]:
-    """Send each source rank its runs (one message, the last of the load to that rank);
-    returns the notifications that will say they landed and the descriptors the ranks
-    posted. ``pushed`` gets each rank before it is asked (it may write even if the call
-    fails)."""
-    want = set()
-    total = 0
-    for src, r in runs.items():
-        notif = f"kvb:{request_id}:{bind.nonce}:{src}:{rank}".encode()
-        arrays = [a.astype("<u8").tobytes() for a in r.as_uint64()]
-        client = peer.rank_client(src)  # a rank without a push channel: nothing sent
-        pushed.append(src)
-        total += reply_runs(client.call(bind.message(request_id, agent, arrays, notif)), "push")
-        want.add(notif)
-    return want, total
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One P rank's chunk in a round, at ``offset`` in the slot."""
+
+    src: int
+    chunk: Chunk
+    offset: int
 
 
-def push_fence_checks(
-    peer: Peer,
-    request_id: str,
-    ranks: list[int],
-    transport: Transport,
-    probe_addr: int,
-    d_engine: str,
-) -> tuple[list[Callable[[], bool]], list[Callable[[], None]]]:
-    """One check per P rank in ``ranks``: True once that rank answered that none of its
-    writes for ``request_id`` from D instance ``d_engine`` is running (and it will refuse
-    any later push of it), or once a 1-byte READ from it was posted and then failed as
-    NIXL reports it (a killed rank: its connection is gone). ``probe_addr``: 1 registered
-    byte of D's own for that READ. Also the closers.
-
-    Limit: the probe sees D's connection to the rank, not the rank's to D. A rank that
-    is alive but cut off long enough for D's connection to fail, and whose own write to
-    D then resumes when the link heals, could still land bytes after the report. Pull
-    mode has no such gap (D owns the READs it waits for)."""
-    checks: list[Callable[[], bool]] = []
-    closers: list[Callable[[], None]] = []
-    for src in sorted(set(ranks)):
-        client = Client(peer.endpoints[src], peer.secret, FENCE_TIMEOUT_S, peer.keys)
-        fence = PushFence(request_id, d_engine)
-        check = _RankFence(client, fence, transport, peer.agents.get(src), probe_addr)
-        check.remote = peer.probe_addrs.get(src)
-        checks.append(check)
-        closers.append(check.close)
-    return checks, closers
+@dataclass(frozen=True, slots=True)
+class StagedPush:
+    slot: int
+    rounds: list[list[Part]]
+    ranks: frozenset[int]
+    """P ranks whose runs go through the slot (the others are pushed direct)."""
 
 
-class _RankFence:
-    """Asks one P rank whether its writes for a request ended; if it does not answer,
-    probes whether its agent still lives (a stopped or cut-off rank: ask again later)."""
+def choose_push(stager: Stager, runs: dict[int, Runs]) -> StagedPush | None:
+    """The P ranks whose runs the cost model stages (:meth:`Stager.choose` with
+    ``push``), and a slot; None: all direct (also when no slot frees up within 10 ms)."""
+    staged, slot = stager.choose(runs, push=True)
+    if slot is None:
+        return None
+    return StagedPush(slot, _rounds(staged, stager.pool.slot_bytes), frozenset(staged))
 
-    def __init__(
-        self, client: Client, fence: PushFence, transport: Transport, agent: str | None, local: int
-    ):
-        self.client, self.fence = client, fence
-        self.transport, self.agent, self.local = transport, agent, local
-        self.remote: int | None = None
-        self.probe: XferHandle | None = None
 
-    def __call__(self) -> bool:
-        try:
-            reply = self.client.call(self.fence)
-        except KVBridgeError:
-            return self._agent_gone()
-        return isinstance(reply, FenceReply) and reply.ended
+def _rounds(staged: dict[int, list[Chunk]], slot_bytes: int) -> list[list[Part]]:
+    """Chunks packed into rounds of at most ``slot_bytes`` (their spans laid end to end)."""
+    out: list[list[Part]] = []
+    cur: list[Part] = []
+    used = 0
+    for src, chs in staged.items():
+        for ch in chs:
+            size = int(ch.span_len.sum())
+            if cur and used + size > slot_bytes:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(Part(src, ch, used))
+            used += size
+    if cur:
+        out.append(cur)
+    return out
 
-    def _agent_gone(self) -> bool:
-        if self.agent is None or self.remote is None or not self.local:
-            return False
-        if self.probe is None:
-            one = np.ones(1, np.uint64)
-            try:
-                self.probe = self.transport.read(
-                    self.agent, one * self.local, one * self.remote, one
-                )
-            except TransferFailed:
-                return True  # posted, and NIXL says it failed: the rank's connection is gone
-            except TransportError:
-                return False  # not posted (e.g. unknown peer): proves nothing, ask again
-        try:
-            state = self.transport.poll(self.probe)
-        except TransferFailed:
-            self.probe = None
-            return True  # the READ failed: the rank's connection is gone
-        except TransportError:
-            self.probe = None
-            return False
-        if state is XferState.DONE:
-            self.probe.release()
-            self.probe = None  # alive but silent: ask again
-        return False
 
-    def close(self) -> None:
-        if self.probe is not None:
-            self.probe.release()
-        self.client.close()
+def push_staged(
+    stager: Stager, pusher: Pusher, plan: StagedPush, await_notifs: Callable[[set[bytes]], None]
+) -> tuple[int, int]:
+    """Per round, ask each P rank, wait for all notifications (``await_notifs`` raises at
+    the deadline), scatter the slot into D's blocks: ``(descriptors P posted, runs
+    moved)``. The slot is the caller's to give back (now, or after the fence)."""
+    base = stager.pool.region.addr + plan.slot * stager.pool.slot_bytes
+    view = stager.pool.view(plan.slot)
+    posted = moved = 0
+    for k, parts in enumerate(plan.rounds):
+        want = set()
+        for src in sorted({p.src for p in parts}):
+            mine = [p for p in parts if p.src == src]
+            runs = (
+                np.concatenate([p.chunk.span_src for p in mine]),
+                np.concatenate([p.chunk.span_stage + (base + p.offset) for p in mine]),
+                np.concatenate([p.chunk.span_len for p in mine]),
+            )
+            notif = f"{pusher.notif(src)}:s{k}".encode()
+            last = not any(p.src == src for later in plan.rounds[k + 1 :] for p in later)
+            posted += pusher.ask(src, runs, notif, (k, last), staged=True)
+            want.add(notif)
+        await_notifs(want)
+        for p in parts:  # every write of the round landed: scatter it
+            c = p.chunk
+            stager.memory.scatter(c.run_dst, view, c.run_stage + p.offset, c.run_len)
+            moved += c.run_len.shape[0]
+    return posted, moved

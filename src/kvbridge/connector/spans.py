@@ -1,13 +1,7 @@
 """Staged rounds: runs sorted by source, joined into the spans one READ (or WRITE) moves
-into a staging slot, and cut into rounds that fit the slot.
-
-Runs whose source bytes touch or overlap always join. With ``max_gap`` > 0, runs whose
-sources are at most ``max_gap`` bytes apart join too, within one source region: the span
-then carries the gap's bytes as well, which are read into the slot and never copied out.
-Where runs are small and their gaps are short — a D rank's half of every token row of an
-NHD block under a head split reads 1 KiB, skips 1 KiB — this turns one descriptor per run
-into one per block for twice the bytes: NIXL here costs ~2 µs per descriptor, the same
-time as ~8 KiB of bandwidth.
+into a staging slot, and cut into rounds that fit the slot. Runs whose sources touch or
+overlap join; with ``max_gap`` runs up to that many bytes apart in one source region join
+too, the span reading over the gap (``docs/performance.md``, staged pulls).
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Staged pulls: many small runs read as a few long source spans into a registered
-staging area on D, then scattered to their destinations by a local copy.
-
-A block-size change on a layout that keeps K transposed (vLLM's CPU cache) cuts every
-element row of K into its own run: a 768-token request of a tiny Llama is ~12,000 runs
-of 128 bytes, and the transport pays per descriptor. On P those runs are mostly
-contiguous (a P block's rows follow each other), so sorted by source they join into a
-span per P block or longer; D reads the spans, then numpy moves each run from the
-staging slot to its block in one vectorised copy per run length.
-
-Safety: a staging slot whose READ is still running at the deadline is not reused
-until that READ ended (the consumer's fence gives it back, see
-:mod:`kvbridge.connector.fence`): a late byte lands there, not in a block D's engine
-may have handed to another request. Scatter happens only after the READ of that chunk
-completed, before the request is reported.
-
-Whether a request is staged is the cost model's call (:class:`CostModel`): the copy's
-costs are measured when the consumer starts, the per-descriptor cost of the transport
-is learned from the direct transfers it times.
+staging slot on D, then scattered to their destinations by a local copy. A slot whose
+READ may still land is reused only after the fence (``docs/faults.md``); whether a
+request is staged is :class:`CostModel`'s call.
 """
 
 from __future__ import annotations
@@ -24,6 +9,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import timeit
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -148,12 +135,7 @@ def _measure_scatter(whole: bool) -> tuple[float, float]:
             off[1::2] += 8
         shuffled = np.random.default_rng(0).permutation(off)
         word = gather_word(shuffled, off, size)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            gather_scatter(dst, shuffled, src, off, size, word)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return _best(lambda: gather_scatter(dst, shuffled, src, off, size, word))
 
     small, big = timed(128), timed(8192)  # 8192 runs, 128 runs of the same 1 MiB
     per_run = max((small - big) / (8192 - 128), 0.0)
@@ -166,12 +148,12 @@ def _measure_strided() -> float:
     src = np.ones(1 << 20, np.uint8)
     dst = np.zeros(1 << 20, np.uint8)
     off = np.arange(0, 1 << 20, 1024, dtype=np.int64)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        copy_equal(dst, off[::-1].copy(), src, off, 1024)
-        best = min(best, time.perf_counter() - t0)
-    return best / (1 << 20)
+    return _best(lambda: copy_equal(dst, off[::-1].copy(), src, off, 1024)) / (1 << 20)
+
+
+def _best(copy: Callable[[], None]) -> float:
+    """Seconds of the fastest of three calls of ``copy``."""
+    return min(timeit.repeat(copy, number=1, repeat=3))
 
 
 class StagingPool:
@@ -233,7 +215,7 @@ class Stager:
         Pull (:meth:`pull`): chunks of half a slot, one copy (D's scatter); ``regions``:
         each source rank's registered regions, spans may then read over gaps of up to
         :meth:`CostModel.max_gap` bytes inside one region. ``push``
-        (:mod:`kvbridge.connector.push_staging`): chunks of a whole slot, each written as
+        (:mod:`kvbridge.connector.push`): chunks of a whole slot, each written as
         one span, two copies (P's gather, D's scatter)."""
         out = {}
         for src, r in runs.items():
