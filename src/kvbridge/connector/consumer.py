@@ -121,7 +121,6 @@ class Consumer:
         renew = (self._stop, self._waiting)
         self._renewer = threading.Thread(target=self.leases.renew_loop, args=renew, daemon=True)
         self._renewer.start()
-        reserve_fds()  # a first handshake must not wait for the table to grow
 
     def _register(self, regions: list[Region], staging_bytes: int, workers: int) -> bytes:
         """Register the KV ``regions``, the staging area (in the same memory) and the
@@ -133,7 +132,9 @@ class Consumer:
         extra = [self.stager.pool.region] if self.stager else []
         if self.mode is not Mode.PULL or not extra:
             extra.append(self._probe.region)  # the push fence's probes land here
-        return self.transport.register(regions + extra)
+        meta = self.transport.register(regions + extra)
+        reserve_fds()  # a first handshake must not wait for the table to grow
+        return meta
 
     def load(
         self,
