@@ -279,7 +279,11 @@ class NixlTransport(Transport):
                 f"{op} of {runs} runs ({total} B) with {peer!r} refused: {exc!r} "
                 "(NOT_FOUND: a run outside registered memory)"
             ) from exc
-        handle = NixlXferHandle(self, xfer, peer, runs, total)
+        return self._start(op, xfer, peer, runs, total)
+
+    def _start(self, op: str, xfer: Any, peer: str, runs: int, total: int) -> NixlXferHandle:
+        """Post a built request (also the bench's prepared ones, ``benchmarks/nixl_prepped.py``)."""
+        agent, handle = self._check_open(), NixlXferHandle(self, xfer, peer, runs, total)
         with self._lock:
             self._live.add(handle)
         try:
