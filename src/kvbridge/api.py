@@ -12,7 +12,8 @@ Say where it lives        SideConfig (one instance's shape), build_layout, layou
                           where memory lives: MemKind (host or a GPU's)
 Plan (no I/O)             Geometry, Side, Bound, Plan
 Move bytes                make_transport, register_transport, transport_names,
-                          Transport, Region, XferHandle, XferState
+                          Transport, Region, XferHandle, XferState; read_runs (post a
+                          plan's runs by READ in requests, wait for them by a deadline)
 Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
                           Mode, Policy, LoadState, Keys, RankInfo
 Errors                    KVBridgeError and its subclasses
@@ -29,6 +30,7 @@ from kvbridge.connector import (
     ProducerWorker,
     TransferHandle,
 )
+from kvbridge.connector.pull import read_runs
 from kvbridge.control.messages import RankInfo
 from kvbridge.control.security import Keys
 from kvbridge.errors import (
