@@ -22,6 +22,7 @@ from benchmarks.nixl_prepped import prep as prep_list
 from benchmarks.nixl_prepped import read_prepped
 from benchmarks.trace_alloc import TraceRequest
 from benchmarks.trace_vllm import VllmLike
+from kvbridge.connector.pull import read_runs
 from kvbridge.connector.spans import Regions
 from kvbridge.connector.staging import Chunk, Stager
 from kvbridge.errors import TransportError
@@ -29,8 +30,6 @@ from kvbridge.plan import Geometry, Plan, Runs
 from kvbridge.transport.base import XferHandle
 from kvbridge.transport.nixl import NixlTransport
 
-POST_RUNS = 16384
-"""Runs per ``initialize_xfer`` request, as :class:`~kvbridge.connector.consumer.Consumer`."""
 TIMEOUT_S = 120.0
 
 
@@ -91,13 +90,7 @@ def _timed_plan(ctx: DSide, req: TraceRequest) -> tuple[Plan, float, float]:
 
 def init(ctx: DSide, req: TraceRequest) -> Timed:
     plan, t0, plan_s = _timed_plan(ctx, req)
-    handles: list[XferHandle] = []
-    for src, r in plan.runs.items():
-        s, d, n = r.as_uint64()
-        for lo in range(0, len(r), POST_RUNS):
-            sl = slice(lo, lo + POST_RUNS)
-            handles.append(ctx.transport.read(ctx.agents[src], d[sl], s[sl], n[sl]))
-    ctx.wait(handles)
+    read_runs(ctx.transport, ctx.agents, plan.runs, time.monotonic() + TIMEOUT_S, [])
     runs = plan.descriptors
     return Timed(time.perf_counter() - t0, plan.nbytes, runs, plan_s, runs, runs)
 
@@ -170,23 +163,19 @@ def staged(ctx: DSide, req: TraceRequest) -> Timed:
             todo[src] = ctx.stager.chunks(r, ctx.p_regions)
         except TransportError:
             direct[src] = r
-    handles = [
-        ctx.transport.read(ctx.agents[src], *_dsn(r)) for src, r in direct.items()
-    ]  # the consumer posts direct sources first, then pulls the staged ones
     slot = ctx.stager.pool.take(1.0)
     if slot is None:
         raise TransportError("no staging slot free")
-    posted, _ = ctx.stager.pull(
-        ctx.transport, ctx.agents, todo, slot, time.monotonic() + TIMEOUT_S, []
-    )
-    ctx.wait(handles)
-    posted += sum(len(r) for r in direct.values())
+    deadline = time.monotonic() + TIMEOUT_S
+    staged_posted = 0
+
+    def pull_staged() -> None:  # as the consumer: direct sources posted, then the staged
+        nonlocal staged_posted
+        staged_posted, _ = ctx.stager.pull(ctx.transport, ctx.agents, todo, slot, deadline, [])
+
+    posted = read_runs(ctx.transport, ctx.agents, direct, deadline, [], then=pull_staged)
+    posted += staged_posted
     return Timed(time.perf_counter() - t0, plan.nbytes, posted, plan_s, posted, plan.descriptors)
-
-
-def _dsn(r: Runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    s, d, n = r.as_uint64()
-    return d, s, n
 
 
 def vllm(ctx: DSide, req: TraceRequest) -> Timed:

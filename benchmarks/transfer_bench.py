@@ -2,9 +2,10 @@
 
 Per case a P process (one rank) and a D process (D rank 0 of the case's D TP) start,
 register a Llama-3.1-8B-shaped cache plus one contiguous scratch buffer each, and D
-times: planning, posting (the same descriptors with 8-byte runs: NIXL's per-descriptor
-cost), the full READ of the plan, one contiguous READ of the same byte count, and a
-memcpy of it. Figures are medians of ``repeats`` runs.
+times: planning, posting (the same descriptors with 8-byte runs, one raw request: NIXL's
+per-descriptor cost), the full READ of the plan (:func:`~kvbridge.connector.pull.read_runs`,
+as the consumer posts it), one raw contiguous READ of the same byte count, and a memcpy
+of it. Figures are medians of ``repeats`` runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.shapes import llama
+from kvbridge.connector.pull import read_runs
 from kvbridge.layout import build_layout
 from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import Parallel
@@ -85,7 +87,9 @@ def _d_main(conn: Connection, case: Case, blocks: int, scratch: int, repeats: in
         agent.wait(agent.read(peer, dst, src, ln), 60.0)
 
     post_s = _median_s(lambda: read(s, d, tiny), repeats)
-    xfer_s = _median_s(lambda: read(s, d, n), repeats)
+    xfer_s = _median_s(
+        lambda: read_runs(agent, {0: peer}, plan.runs, time.monotonic() + 60.0, []), repeats
+    )
     total = int(n.sum())
     one = np.array([total], np.uint64)
     contig_s = _median_s(

@@ -71,6 +71,7 @@ _API = frozenset(
         "mamba2",
         "mla",
         "parse_dtype",
+        "read_runs",
         "register_layout",
         "register_transport",
         "shard_interval",

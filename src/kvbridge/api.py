@@ -13,7 +13,8 @@ Say where it lives        SideConfig (one instance's shape), build_layout, layou
 Plan (no I/O)             Geometry, Side, Bound, Plan; block tables: Tables,
                           checked_tables
 Move bytes                make_transport, register_transport, transport_names,
-                          Transport, Region, XferHandle, XferState
+                          Transport, Region, XferHandle, XferState; read_runs (post a
+                          plan's runs by READ in requests, wait for them by a deadline)
 Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
                           Mode, Policy, LoadState, Keys, RankInfo
 Errors                    KVBridgeError and its subclasses
@@ -30,6 +31,7 @@ from kvbridge.connector import (
     ProducerWorker,
     TransferHandle,
 )
+from kvbridge.connector.pull import read_runs
 from kvbridge.control.messages import RankInfo
 from kvbridge.control.security import Keys
 from kvbridge.errors import (

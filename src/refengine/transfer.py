@@ -12,11 +12,15 @@ Both instances must keep their caches in this process (TP 1, ``in_process``).
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 
-from kvbridge.api import Bound, Geometry, Region, Side, Transport, XferState, make_transport
+from kvbridge.api import Bound, Geometry, Region, Side, Transport, make_transport, read_runs
 from refengine.errors import EngineError
 from refengine.instance import Instance
+
+TIMEOUT_S = 60.0
+"""How long one D rank's READs may take (loopback copies inside the call)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +54,8 @@ def move_kv(p: Instance, d: Instance, req_id: str) -> Moved:
         agent = agents[-1]
         geom = Geometry(p_side, Side(d.spec, d.parallel, {r: _bound(d, r)}), r)
         plan = geom.plan(n, p.tables(req_id), d.tables(req_id), cached)
-        for src, runs in plan.runs.items():
-            peer = agent.add_peer(p_meta[src])
-            s, dst, length = runs.as_uint64()
-            handle = agent.read(peer, dst, s, length)
-            if agent.poll(handle) is not XferState.DONE:
-                raise EngineError(f"loopback read from P rank {src} did not complete")
-            handle.release()
+        peers = {src: agent.add_peer(p_meta[src]) for src in plan.runs}
+        read_runs(agent, peers, plan.runs, time.monotonic() + TIMEOUT_S, [])
         total, runs_n = total + plan.nbytes, runs_n + plan.descriptors
     for a in agents:
         a.close()

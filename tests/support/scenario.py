@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbridge.connector.pull import read_runs
 from kvbridge.layout.build import build_layout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Geometry
@@ -111,10 +113,8 @@ def run_scenario(
         d_side = PlanSide(d.spec, d.par, {r: d.bound(r)})
         geom = Geometry(PlanSide(p.spec, p.par, p_bound), d_side, r, pad_blocks)
         plan = geom.plan(n, p_tabs, d_tabs, cached)
-        for src, runs in plan.runs.items():
-            peer = agent.add_peer(p_agents[src].register([]))
-            s, dd, ln = runs.as_uint64()
-            agent.read(peer, dd, s, ln)
+        peers = {src: agent.add_peer(p_agents[src].register([])) for src in plan.runs}
+        read_runs(agent, peers, plan.runs, time.monotonic() + 60.0, [])
         _check_dest(d, r, before, n, cached, d_tabs, pads if pad_blocks else None)
         plans[r] = plan
     return plans

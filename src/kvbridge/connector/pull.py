@@ -1,10 +1,13 @@
-"""The pull mover over a transport: D READs a request's runs from P, each source rank's
-runs posted as they are (direct) or, where the cost model says so, through D's staging
-area (:mod:`kvbridge.connector.staging`)."""
+"""Moving a plan's runs by READ: :func:`read_runs`, the one function that posts runs to
+a transport and waits for them (the connector, the reference engine, the test scenarios
+and the benches), and :func:`pull`, the connector's pull mover: D READs a request's runs
+from P, each source rank's runs posted as they are (direct) or, where the cost model says
+so, through D's staging area (:mod:`kvbridge.connector.staging`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 
 from kvbridge.connector.load import _Load
 from kvbridge.connector.peers import Peer
@@ -13,6 +16,48 @@ from kvbridge.errors import TransferTimeout
 from kvbridge.plan.plan import Plan
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Transport, XferHandle
+
+POST_RUNS = 16384
+"""Runs per posted READ request unless told (the consumer's ``post_runs``)."""
+
+
+def read_runs(
+    transport: Transport,
+    agents: Mapping[int, str],
+    runs: Mapping[int, Runs],
+    deadline: float,
+    live: list[XferHandle],
+    post_runs: int = POST_RUNS,
+    then: Callable[[], object] | None = None,
+) -> int:
+    """READ each source rank's ``runs`` from its peer ``agents[src]`` in requests of at
+    most ``post_runs`` runs, the deadline (monotonic) checked before each (posting may
+    copy inside the call: 512,000 small runs once took the whole deadline and more); call
+    ``then``; wait for every READ until ``deadline``. Returns the runs posted. If anything
+    fails (:class:`~kvbridge.errors.TransferTimeout` once the deadline passed), the READs
+    that may still land are appended to ``live`` (fence them) and the error is raised."""
+    handles: list[XferHandle] = []
+    posted = 0
+    try:
+        for src, r in runs.items():
+            agent = agents[src]
+            s, d, n = r.as_uint64()
+            for lo in range(0, len(r), post_runs):
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(
+                        f"deadline passed while posting: {lo} of {len(r)} runs posted"
+                    )
+                hi = lo + post_runs
+                handles.append(transport.read(agent, d[lo:hi], s[lo:hi], n[lo:hi]))
+                posted += len(n[lo:hi])
+        if then is not None:
+            then()
+        for h in handles:
+            transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
+    except BaseException:
+        live += [h for h in handles if not transport.ended(h)]
+        raise
+    return posted
 
 
 def pull(
@@ -31,49 +76,23 @@ def pull(
     deadline = time.monotonic() + timeout_s
     t0 = time.perf_counter()
     staged, slot = stager.choose(plan.runs, peer.regions) if stager and staging else ({}, None)
-    handles: list[XferHandle] = []
-    try:
-        for src, r in plan.runs.items():
-            if src not in staged:
-                _post(transport, peer.agents[src], r, deadline, handles, job, post_runs)
+
+    def then() -> None:  # direct runs posted: pull the staged ones while they move
         job.lap("post")
-        if stager is not None and slot is not None:
-            staged_live: list[XferHandle] = []
-            try:
-                posted, moved = stager.pull(
-                    transport, peer.agents, staged, slot, deadline, staged_live
-                )
-            finally:
-                if staged_live:
-                    job.live += staged_live
-                    job.slot = slot
-            job.posted += posted
-            job.staged_runs += moved
-        for h in handles:
-            transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
-    except BaseException:
-        job.live += [h for h in handles if not transport.ended(h)]
-        raise
+        if stager is None or slot is None:
+            return
+        staged_live: list[XferHandle] = []
+        try:
+            posted, moved = stager.pull(transport, peer.agents, staged, slot, deadline, staged_live)
+        finally:
+            if staged_live:
+                job.live += staged_live
+                job.slot = slot
+        job.posted += posted
+        job.staged_runs += moved
+
+    direct = {src: r for src, r in plan.runs.items() if src not in staged}
+    posted = read_runs(transport, peer.agents, direct, deadline, job.live, post_runs, then)
+    job.posted += posted
     if stager is not None and not staged:
         stager.costs.learn(job.posted, plan.nbytes, time.perf_counter() - t0)
-
-
-def _post(
-    transport: Transport,
-    agent: str,
-    r: Runs,
-    deadline: float,
-    handles: list[XferHandle],
-    job: _Load,
-    post_runs: int,
-) -> None:
-    """READ ``r`` in requests of at most ``post_runs`` runs, the deadline checked before
-    each (posting may copy inside the call: 512,000 small runs once took the whole
-    deadline and more)."""
-    s, d, n = r.as_uint64()
-    for lo in range(0, len(r), post_runs):
-        if time.monotonic() > deadline:
-            raise TransferTimeout(f"deadline passed while posting: {lo} of {len(r)} runs posted")
-        hi = lo + post_runs
-        handles.append(transport.read(agent, d[lo:hi], s[lo:hi], n[lo:hi]))
-        job.posted += len(n[lo:hi])

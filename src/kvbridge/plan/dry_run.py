@@ -1,10 +1,7 @@
-"""Plan one request between two instance configurations without any memory.
-
-Layouts get synthetic, non-overlapping region addresses; planning is arithmetic on
-them, so the runs' counts and sizes are those a real pair of instances would post.
-Block tables are consecutive ids (the best case) or a seeded shuffle (a long-running
-server's pool). Every group draws from one pool, so ids never collide across groups.
-"""
+"""Plan one request between two instance configurations without any memory
+(``kvbridge plan``, ``docs/plan-cli.md``): layouts get synthetic, non-overlapping region
+addresses; block tables are consecutive or shuffled ids from one pool for every group,
+so ids never collide across groups."""
 
 from __future__ import annotations
 
@@ -77,11 +74,7 @@ def _tables(
     spec: ModelSpec, tokens: int, pool: int, rng: np.random.Generator, shuffle: bool
 ) -> list[np.ndarray]:
     ids = rng.permutation(pool) if shuffle else np.arange(pool)
-    out, pos = [], 0
-    for k in spec.blocks_needed(tokens):
-        out.append(ids[pos : pos + k].astype(np.int64))
-        pos += k
-    return out
+    return [t.astype(np.int64) for t in np.split(ids, np.cumsum(spec.blocks_needed(tokens)))[:-1]]
 
 
 def _bound(spec: ModelSpec, par: Parallel, rank: int, layout: str, pool: int, base: int) -> Bound:

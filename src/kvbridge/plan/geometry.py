@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,11 +20,10 @@ from kvbridge.plan.joins import (
     chains,
     check_written,
     merge_all,
-    own_chains,
     realize,
     streak_runs,
 )
-from kvbridge.plan.links import GroupLimits, Link, RankLinks, rank_links
+from kvbridge.plan.links import Link, RankLinks, rank_links
 from kvbridge.plan.pattern import (
     Bound,
     Bucket,
@@ -51,9 +50,7 @@ class GroupGeom:
     bp: int
     bd: int
     p_per_tile: int
-    """P blocks per tile."""
     d_per_tile: int
-    """D blocks per tile."""
     p_blocks: int
     d_blocks: int
     pool: int
@@ -61,12 +58,6 @@ class GroupGeom:
     buckets: tuple[Bucket, ...]
     pad: tuple[int, int] | None = None
     """``(bs_P, bs_D)`` where partial blocks may move whole (``pad_blocks``), else None."""
-    mode: int = 0
-    """How its written D ids are keyed (:func:`kvbridge.plan.joins.written_keys`)."""
-
-    @property
-    def limits(self) -> GroupLimits:
-        return GroupLimits(self.p_blocks, self.d_blocks, self.p_per_tile, self.d_per_tile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,17 +93,8 @@ class Geometry:
     """Everything about one (P instance, D rank ``d_rank``) pair that does not depend on a
     request. Build it once at handshake; call :meth:`plan` per request.
 
-    ``pad_blocks``: D's engine never reads a slot of a request's blocks that lies outside
-    the tokens it needs before writing it: past the prefilled tokens in its last block
-    (true of any engine that computes the next token there, e.g. vLLM), and before a
-    sliding window's or chunk's first needed token in that token's block (attention never
-    looks there). Then a token group's needed range may run from the later of the two
-    sides' block starts around its first token (never below D's cached prefix) to the
-    end of the last block both sides hold, ``min(⌈n/bs_P⌉·bs_P, ⌈n/bs_D⌉·bs_D)``: the
-    padding slots get what P's blocks hold there, and a partial block costs one run where
-    it costs a run per head (or per element, with transposed K) otherwise. A bucket keeps
-    the exact range where padding would add runs. No block outside the ones the exact
-    range touches is read or written.
+    ``pad_blocks``: partial blocks may move whole where D's engine never reads their
+    padding slots before writing them (``docs/planner.md``).
     """
 
     def __init__(self, p: Side, d: Side, d_rank: int, pad_blocks: bool = False) -> None:
@@ -137,20 +119,14 @@ class Geometry:
         self.d_rank = d_rank
         parts: dict[tuple[int, RuleKey, int], list[dict[str, np.ndarray]]] = {}
         for pc in sources(spec_p, p_par, d_par, d_rank):
-            layer = spec_d.layers[pc.layer]
-            g = spec_d.group_of(pc.layer)
-            tile, bp, bd = tile_of(spec_p, spec_d, g)
-            key = (g, rule_key(layer), pc.src_rank)
-            parts.setdefault(key, []).append(
-                fine_runs(pc, layer, p_bound[pc.src_rank], d_bound, tile, bp, bd)
-            )
+            layer, g = spec_d.layers[pc.layer], spec_d.group_of(pc.layer)
+            fine = fine_runs(pc, layer, p_bound[pc.src_rank], d_bound, *tile_of(spec_p, spec_d, g))
+            parts.setdefault((g, rule_key(layer), pc.src_rank), []).append(fine)
         buckets: dict[int, list[Bucket]] = {}
-        for key, fines in parts.items():
-            g = key[0]
-            tile = tile_of(spec_p, spec_d, g)[0]
+        for (g, rule, src), fines in parts.items():
             single = state_or_equal(spec_p, spec_d, g)
-            bucket = Bucket(g, key[2], key[1], tile, single, concat_fine(fines))
-            buckets.setdefault(g, []).append(bucket)
+            tile = tile_of(spec_p, spec_d, g)[0]
+            buckets.setdefault(g, []).append(Bucket(g, src, rule, tile, single, concat_fine(fines)))
         groups = []
         for g in range(len(spec_d.groups)):
             (tile, bp, bd), state = tile_of(spec_p, spec_d, g), spec_d.is_state_group(g)
@@ -166,12 +142,13 @@ class Geometry:
     def _links(self) -> dict[int, RankLinks]:
         """Links per source rank, and how each is told per request (:mod:`.joins`)."""
         tiles = [gg.tile for gg in self.groups]
-        limits = [gg.limits for gg in self.groups]
+        p_blocks = np.array([gg.p_blocks for gg in self.groups], np.int64)
+        d_blocks = np.array([gg.d_blocks for gg in self.groups], np.int64)
         by_rank: dict[int, list[Bucket]] = {}
         for gg in self.groups:
             for b in gg.buckets:
                 by_rank.setdefault(b.src_rank, []).append(b)
-        links = {r: rank_links(bs, tiles, limits) for r, bs in by_rank.items()}
+        links = {r: rank_links(bs, tiles, p_blocks, d_blocks) for r, bs in by_rank.items()}
         big = {gg.pool for gg in self.groups if gg.d_blocks > PAIR_LIMIT or gg.p_blocks >= M // 2}
         values: dict[int, list[float]] = {}  # per paired pool; first 2³² + 1 (streaks)
         for ln in (ln for rl in links.values() for ln in rl.links):
@@ -179,13 +156,11 @@ class Geometry:
                 vs = values.setdefault(self.groups[ln.g].pool, [FM + 1])
                 vs += [] if FM + ln.dp * ln.dd in vs else [FM + ln.dp * ln.dd]
         self.values = {gg.pool: tuple(values.get(gg.pool, ())) for gg in self.groups}
-        single = [gg.p_per_tile == gg.d_per_tile == 1 for gg in self.groups]
-        self.groups = tuple(
-            replace(gg, mode=(1 if single[g] else 2) if gg.pool in values else 0)
-            for g, gg in enumerate(self.groups)
-        )
+        self.modes = [  # how each group's written D ids are keyed (:func:`.joins.written_keys`)
+            (1 if gg.p_per_tile == gg.d_per_tile == 1 else 2) if gg.pool in values else 0
+            for gg in self.groups
+        ]
         self.per_tile = [(gg.p_per_tile, gg.d_per_tile) for gg in self.groups]
-        self.modes = [gg.mode for gg in self.groups]
         self.limits = [gg.d_blocks for gg in self.groups]
         self.checks: dict[int, Checks | None] = {}
         for r, rl in links.items():
@@ -209,13 +184,10 @@ class Geometry:
         d_tables: Sequence[Sequence[int] | np.ndarray] | Tables,
         cached: int = 0,
     ) -> Plan:
-        """Runs for one request of ``n_tokens`` prefilled tokens, ``cached`` already on D.
-
-        ``p_tables[g]`` / ``d_tables[g]``: block ids of group ``g`` covering tokens
-        ``[0, n_tokens)`` (state groups: one slot id); :class:`~kvbridge.plan.tables.Tables`
-        are not checked again. Raises :class:`PlanError`.
-        Every source rank gets the fewest runs that move its bytes.
-        """
+        """The fewest runs per source rank for one request of ``n_tokens`` prefilled
+        tokens, ``cached`` already on D. ``p_tables[g]`` / ``d_tables[g]``: block ids of group
+        ``g`` covering tokens ``[0, n_tokens)`` (state groups: one slot id); ``Tables`` are
+        not checked again. Raises :class:`PlanError`."""
         if n_tokens < 1 or not 0 <= cached <= n_tokens:
             raise PlanError(f"n_tokens={n_tokens}, cached={cached}: need 0 ≤ cached ≤ n, n ≥ 1")
         if len(p_tables) != len(self.groups) or len(d_tables) != len(self.groups):
@@ -256,14 +228,13 @@ class Geometry:
         tab = _tab(gg, ptab, dtab, first, n)
         tabs = {0: tab}
         w = check_written(gg.pool, [0], tabs, self.modes, gg.d_blocks, self.values[gg.pool])
-        keys = {gg.pool: w}
         if len(jobs) == 1:
             ((src, js),) = jobs.items()
             chk = self.checks[src]
             if len(js) == 1 and (chk is None or (chk.one >= 0 and not (w and w[2][0]))):
                 _, _, pat, k_lo, k_hi = js[0]  # as it comes: nothing can or does continue
                 return Plan({src: Runs(*_apply(pat, tab, k_lo, k_hi, gg))}, uses)
-            return Plan({src: self._rank(src, js, tabs, keys)}, uses)
+        keys = {gg.pool: w}
         return Plan({src: self._rank(src, js, tabs, keys) for src, js in jobs.items()}, uses)
 
     def _rank(
@@ -337,7 +308,10 @@ def _chains(
     they are the job's, else sorted here."""
     if w is not None and w[1] == [g] and tab[3] == k_lo and tab[4] == k_hi:
         return chains(w[0], w[3])
-    return own_chains(tab[0][k_lo:k_hi], tab[1][k_lo:k_hi])
+    srt = tab[1][k_lo:k_hi] * FM
+    srt += tab[0][k_lo:k_hi]
+    srt.sort()
+    return chains(srt)
 
 
 def _concat(parts: list[Triple]) -> Triple:

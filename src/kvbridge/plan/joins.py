@@ -1,19 +1,6 @@
-"""Per request: which links (:mod:`kvbridge.plan.links`) the ids realize, and the merges
-that leave the fewest runs for the byte map.
-
-The D ids a request writes are checked per pool by sorting them (:func:`check_written`).
-Where a pool is *paired* the sorted keys are ``D · 2³² + P`` (P the id of the same tile,
-one block per side), float64, exact for the ids allowed and unable to wrap: the same sort
-checks the D ids and shows every pair of tiles whose D ids are neighbours, with how far
-apart their P ids are, so a link with ``dd = ±1`` costs one comparison. Other links
-compare the keys of the two tile sets (:func:`_meet`).
-
-Two merges: a streakable pattern (every run fills its blocks) joins the tiles of each
-chain of ids that rise by one on both sides, taken in D order, so rising and falling
-streaks alike (:func:`streak_runs`); anything else realized sorts the source rank's runs
-by destination and merges neighbours (:func:`merge_all`): a run's successor starts where
-it ends on D, and D bytes are written once, so it is the next run in that order.
-"""
+"""Per request: which links (:mod:`kvbridge.plan.links`) the ids realize, checked with
+the written D ids by one sort per pool, and the merges that leave the fewest runs for
+the byte map (``docs/planner.md``)."""
 
 from __future__ import annotations
 
@@ -82,7 +69,7 @@ def check_written(
     once. Paired, the sorted keys, and whether a gap between two equals each of
     ``values``."""
     mode = modes[gs[0]]
-    if len(gs) == 1:
+    if len(gs) == 1:  # written_keys inline: the usual case, on every request
         ptab, dtab, _, lo, hi = tabs[gs[0]]
         if mode == 1:
             srt = dtab[lo:hi] * FM
@@ -165,7 +152,7 @@ def _meet(
     x = mine[0][:, ln.a] * M + mine[1][:, ln.a2] + (ln.dp * M + ln.dd)
     y = theirs[0][:, ln.b] * M + theirs[1][:, ln.b2]
     if y.shape[0] == 1 or x.shape[0] == 1:  # a state group's one slot
-        return bool(np.count_nonzero(x == y) if x.shape[0] == 1 else np.count_nonzero(y == x))
+        return bool(np.count_nonzero(x == y))
     both = np.concatenate((x, y))  # each distinct (distinct ids): a repeat is a meeting
     both.sort()
     return bool(np.count_nonzero(both[1:] == both[:-1]))
@@ -189,14 +176,6 @@ def chains(srt: np.ndarray, one: bool = False) -> tuple[np.ndarray, np.ndarray] 
     counts[:-1] = starts[1:] - starts[:-1]
     counts[-1] = srt.shape[0] - starts[-1]
     return srt[starts], counts
-
-
-def own_chains(pid: np.ndarray, did: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`chains` of some of a group's tiles."""
-    srt = did * FM
-    srt += pid
-    srt.sort()
-    return chains(srt)
 
 
 def streak_runs(pat: Pattern, first: np.ndarray, counts: np.ndarray) -> Triple:

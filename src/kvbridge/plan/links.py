@@ -1,20 +1,5 @@
-"""Which runs of a request may continue each other on both sides: found once per pair.
-
-A run of a request is a *template* (a run of a bucket's whole-tile pattern) placed at
-its tile's block ids: ``src = soff + P[k, a] · sstr``, ``dst = doff + D[k, a2] · dstr``.
-Template ``i`` of tile ``k`` is continued by template ``j`` of tile ``k'`` exactly when
-
-    P[k', b] − P[k, a] = dp   and   D[k', b2] − D[k, a2] = dd
-
-with ``dp = (soff_i + len_i − soff_j) / sstr`` and ``dd`` alike, both whole numbers
-(equal strides). A :class:`Link` is one such relation; whether a request's ids realize
-it is asked per request (:mod:`kvbridge.plan.joins`). Whole-tile templates are enough:
-a run of a partial tile lies inside its template, and where it ends early (starts
-late) the next (previous) byte is one that no run moves.
-
-Assumed, as everywhere in the planner: P ids, like D ids, are distinct within a pool
-(were they not, a merge could be missed, never a byte).
-"""
+"""Which runs of a request may continue each other on both sides (links between
+whole-tile templates): found once per pair (``docs/planner.md``)."""
 
 from __future__ import annotations
 
@@ -50,16 +35,6 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
-class GroupLimits:
-    """What bounds a group's ids: valid P and D ids, blocks per tile on each side."""
-
-    p_blocks: int
-    d_blocks: int
-    p_per_tile: int
-    d_per_tile: int
-
-
-@dataclass(frozen=True, slots=True)
 class RankLinks:
     """Every link among one source rank's runs."""
 
@@ -71,17 +46,18 @@ class RankLinks:
 
 
 def rank_links(
-    buckets: Sequence[Bucket], tiles: Sequence[int], limits: Sequence[GroupLimits]
+    buckets: Sequence[Bucket], tiles: Sequence[int], p_blocks: np.ndarray, d_blocks: np.ndarray
 ) -> RankLinks:
-    """Links among the whole-tile templates of one source rank's buckets."""
+    """Links among the whole-tile templates of one source rank's buckets (at least one);
+    ``p_blocks``, ``d_blocks``: valid P and D ids per group."""
     t = _templates(buckets, tiles)
     if t["s"].shape[0] == 0:
         return RankLinks()
     pairs = _equal_stride_pairs(t)
     if pairs is None:
         return RankLinks((), True)
-    links, always = _classify(t, pairs[0], pairs[1], limits)
-    return RankLinks(links, always or _unequal_strides_meet(t, limits))
+    links, always = _classify(t, pairs[0], pairs[1], p_blocks, d_blocks)
+    return RankLinks(links, always or _unequal_strides_meet(t, p_blocks, d_blocks))
 
 
 def _templates(buckets: Sequence[Bucket], tiles: Sequence[int]) -> dict[str, np.ndarray]:
@@ -94,11 +70,7 @@ def _templates(buckets: Sequence[Bucket], tiles: Sequence[int]) -> dict[str, np.
         for k, v in zip(_COLS[1:8], vals, strict=True):
             cols[k].append(v)
         cols["st"].append(np.full(n, pat.streakable and b.single))
-    return {k: np.concatenate(v) for k, v in cols.items()} if buckets else _empty()
-
-
-def _empty() -> dict[str, np.ndarray]:
-    return {k: np.zeros(0, np.int64) for k in _COLS}
+    return {k: np.concatenate(v) for k, v in cols.items()}
 
 
 def _equal_stride_pairs(t: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -121,7 +93,7 @@ def _equal_stride_pairs(t: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarra
 
 
 def _classify(
-    t: dict[str, np.ndarray], i: np.ndarray, j: np.ndarray, limits: Sequence[GroupLimits]
+    t: dict[str, np.ndarray], i: np.ndarray, j: np.ndarray, plim: np.ndarray, dlim: np.ndarray
 ) -> tuple[tuple[Link, ...], bool]:
     """Relations the ids could realize, one :class:`Link` each; and whether some pair
     continues whatever the ids (same blocks, two buckets)."""
@@ -129,8 +101,6 @@ def _classify(
     a, b, a2, b2 = t["a"][i], t["a"][j], t["a2"][i], t["a2"][j]
     dp = (t["s"][i] + t["L"][i] - t["s"][j]) // t["S"][i]
     dd = (t["d"][i] + t["L"][i] - t["d"][j]) // t["D"][i]
-    plim = np.array([x.p_blocks for x in limits], np.int64)
-    dlim = np.array([x.d_blocks for x in limits], np.int64)
     ok = (dp < plim[h]) & (dp > -plim[g]) & (dd < dlim[h]) & (dd > -dlim[g])
     same = g == h  # one table: distinct ids, so a zero step means the same block
     ok &= ~(same & (dp == 0) & ((a != b) | ((dd != 0) & (a2 == b2))))
@@ -150,17 +120,15 @@ def _classify(
     return tuple(links), bool(fixed.any())
 
 
-def _unequal_strides_meet(t: dict[str, np.ndarray], limits: Sequence[GroupLimits]) -> bool:
+def _unequal_strides_meet(t: dict[str, np.ndarray], plim: np.ndarray, dlim: np.ndarray) -> bool:
     """Whether a template's end may meet the start of one with other strides, on both
     sides (conservative: address ranges over every valid id, not single ids)."""
     keys = np.stack((t["S"], t["D"]), axis=1)
     uniq, inv = unique_rows(keys)
     if uniq.shape[0] < 2:
         return False
-    plim = np.array([x.p_blocks for x in limits], np.int64)[t["g"]]
-    dlim = np.array([x.d_blocks for x in limits], np.int64)[t["g"]]
     s_lo, d_lo = t["s"], t["d"]
-    s_hi, d_hi = s_lo + (plim - 1) * t["S"], d_lo + (dlim - 1) * t["D"]
+    s_hi, d_hi = s_lo + (plim[t["g"]] - 1) * t["S"], d_lo + (dlim[t["g"]] - 1) * t["D"]
     ln = t["L"]
     for c in range(uniq.shape[0]):
         mine, other = inv == c, inv != c
@@ -172,11 +140,9 @@ def _unequal_strides_meet(t: dict[str, np.ndarray], limits: Sequence[GroupLimits
 
 
 def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(rows, axis=0, return_inverse=True)`` for a 2-D integer array (the
-    distinct rows in lexicographic order, and each row's index among them), without
-    sorting rows as opaque records: that took seconds for the ~10⁵–10⁶ templates of a
-    hybrid model with a layout change. Rows become one int64 key where the columns'
-    ranges allow, else are sorted column by column."""
+    """``np.unique(rows, axis=0, return_inverse=True)`` for a 2-D integer array, without
+    sorting rows as opaque records (seconds for 10⁶ rows): rows become one int64 key
+    where the columns' ranges allow, else are sorted column by column."""
     n, k = rows.shape
     if n == 0:
         return rows[:0], np.zeros(0, np.int64)
@@ -188,16 +154,13 @@ def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             key *= span[c]
             key += rows[:, c].astype(np.int64) - int(lo[c])
         order = np.argsort(key)
-        srt_key = key[order]
-        new = np.empty(n, bool)
-        new[0] = True
-        np.not_equal(srt_key[1:], srt_key[:-1], out=new[1:])
+        srt = key[order, None]
     else:
         order = np.lexsort(rows.T[::-1])
         srt = rows[order]
-        new = np.empty(n, bool)
-        new[0] = True
-        new[1:] = (srt[1:] != srt[:-1]).any(axis=1)
+    new = np.empty(n, bool)
+    new[0] = True
+    new[1:] = (srt[1:] != srt[:-1]).any(axis=1)
     inv = np.empty(n, np.int64)
     inv[order] = np.cumsum(new) - 1
     return rows[order[new]], inv

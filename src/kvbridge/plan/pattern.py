@@ -1,15 +1,6 @@
-"""Tile patterns: the byte runs of one tile, computed once per pair.
-
-A tile is ``lcm(bs_P, bs_D)`` tokens: ``T/bs_P`` P blocks and ``T/bs_D`` D blocks. For a
-state group the tile is one slot. Every run of the pattern is
-
-    (src block-in-tile, src offset, src block stride, dst block-in-tile, dst offset,
-     dst block stride, length)
-
-with offsets already holding the region base and the in-block position, so a request
-only adds ``block_id · stride``. Layers whose needed token range is computed the same way
-(full and MLA; each window; each chunk; state) share a *bucket* per source rank.
-"""
+"""Tile patterns: the byte runs of one tile (``lcm(bs_P, bs_D)`` tokens; a state group's:
+one slot), computed once per pair; layers with one needed-range rule share a bucket per
+source rank (``docs/planner.md``)."""
 
 from __future__ import annotations
 
@@ -95,7 +86,6 @@ class Bucket:
     group: int
     src_rank: int
     rule: RuleKey
-    """What the needed token range of every layer in the bucket depends on."""
     tile: int
     single: bool
     """One block per side per tile."""
@@ -173,12 +163,9 @@ def fine_runs(
 
 
 def _part_offsets(sv: View, dv: View, seg: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Offsets within a unit of the parts both sides keep contiguous, and their size.
-
-    A unit split in ``n`` parts on one side (say ``[head_dim][tokens]``) and whole on the
-    other is copied in parts of the finer split; runs that continue on both sides join
-    when the tile's runs are coalesced.
-    """
+    """Offsets within a unit of the parts both sides keep contiguous, and their size: a
+    unit split in parts on one side (say ``[head_dim][tokens]``) and whole on the other is
+    copied in parts of the finer split (runs continuing on both sides join later)."""
     _, ps, pstr = sv.piece(seg)
     _, pd, dstr = dv.piece(seg)
     part = math.gcd(ps, pd)
@@ -189,12 +176,14 @@ def _part_offsets(sv: View, dv: View, seg: int) -> tuple[np.ndarray, np.ndarray,
 def concat_fine(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Concatenate fine runs and coalesce within each token (keeps the token column)."""
     fine = {k: np.concatenate([p[k] for p in parts]) for k in FIELDS}
-    order = np.lexsort((fine["soff"], fine["sstr"], fine["dstr"], fine["d_bit"], fine["p_bit"]))
-    fine = {k: v[order] for k, v in fine.items()}
-    return _merge_sorted(fine, same=("token", "p_bit", "d_bit", "sstr", "dstr", "kind"))
+    return _merge(fine, same=("token", "p_bit", "d_bit", "sstr", "dstr", "kind"))
 
 
-def _merge_sorted(f: dict[str, np.ndarray], same: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _merge(f: dict[str, np.ndarray], same: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Runs sorted by (P bit, D bit, strides, source), each merged into its predecessor
+    where both sides continue it and the ``same`` columns agree."""
+    order = np.lexsort((f["soff"], f["sstr"], f["dstr"], f["d_bit"], f["p_bit"]))
+    f = {k: v[order] for k, v in f.items()}
     n = f["soff"].shape[0]
     if n <= 1:
         return f
@@ -214,21 +203,9 @@ def _coalesce(fine: dict[str, np.ndarray], s: int, e: int, single: bool) -> Patt
     kind_bytes = {
         KIND_CODES[c]: int(f["length"][f["kind"] == c].sum()) for c in np.unique(f["kind"])
     }
-    order = np.lexsort((f["soff"], f["sstr"], f["dstr"], f["d_bit"], f["p_bit"]))
-    f = {k: v[order] for k, v in f.items()}
-    m = _merge_sorted(f, same=("p_bit", "d_bit", "sstr", "dstr"))
+    m = _merge(f, same=("p_bit", "d_bit", "sstr", "dstr"))
     ln = m["length"]
     streak = bool((m["p_bit"] == 0).all() and (m["d_bit"] == 0).all() and single)
     streak = streak and bool(((ln == m["sstr"]) & (ln == m["dstr"])).all())
-    return Pattern(
-        m["p_bit"],
-        m["soff"],
-        m["sstr"],
-        m["d_bit"],
-        m["doff"],
-        m["dstr"],
-        m["length"],
-        int(m["length"].sum()),
-        kind_bytes,
-        streak,
-    )
+    arrays = (m["p_bit"], m["soff"], m["sstr"], m["d_bit"], m["doff"], m["dstr"], ln)
+    return Pattern(*arrays, int(ln.sum()), kind_bytes, streak)

@@ -27,10 +27,8 @@ class Runs:
 
 
 def merge_adjacent(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Runs:
-    """Merge each run into its predecessor when both sides continue it exactly.
-
-    Order is kept; only neighbours in the given order are merged.
-    """
+    """Merge each run into its predecessor when both sides continue it exactly (order
+    kept: only neighbours in the given order merge)."""
     n = src.shape[0]
     if n <= 1:
         return Runs(src, dst, length)

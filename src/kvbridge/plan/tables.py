@@ -135,11 +135,9 @@ def table(
     side: str,
     g: int,
 ) -> np.ndarray:
-    """Block ids as int64, range-checked (if ``limit``) over the entries ``n`` tokens use,
-    padded to whole tiles. :class:`Tables` come as they are (``limit`` 0: :func:`unchecked`).
-
-    D's ids are checked where they are written (:func:`kvbridge.plan.joins.check_written`):
-    only those are ever addressed."""
+    """Block ids as int64, range-checked (if ``limit``; 0 for :class:`Tables`) over the
+    entries ``n`` tokens use, padded to whole tiles. D's ids are checked where they are
+    written (:func:`kvbridge.plan.joins.check_written`): only those are ever addressed."""
     tab = np.asarray(ids, dtype=np.int64)
     need = 1 if state else -(-n // bs)
     if tab.ndim != 1 or tab.shape[0] < need:
@@ -172,15 +170,7 @@ def tile_spans(a: int, e: int, tile: int) -> list[tuple[int, int, int, int]]:
     s0, t1 = a - k0 * tile, e - k1 * tile
     if k0 == k1:
         return [(k0, k0 + 1, s0, t1)]
-    spans = []
-    lo, hi = k0, k1 + 1
-    if s0:
-        spans.append((k0, k0 + 1, s0, tile))
-        lo = k0 + 1
-    if t1 != tile:
-        hi = k1
-    if hi > lo:
-        spans.append((lo, hi, 0, tile))
-    if t1 != tile:
-        spans.append((k1, k1 + 1, 0, t1))
-    return spans
+    lo, hi = k0 + (s0 > 0), k1 + (t1 == tile)
+    head = [(k0, k0 + 1, s0, tile)] if s0 else []
+    tail = [(k1, k1 + 1, 0, t1)] if t1 != tile else []
+    return head + ([(lo, hi, 0, tile)] if hi > lo else []) + tail
