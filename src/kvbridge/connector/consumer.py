@@ -35,6 +35,7 @@ from kvbridge.connector.load import (
 )
 from kvbridge.connector.movers import Directions, movers, plan_geometry, transfer
 from kvbridge.connector.peers import Peer, PeerCache
+from kvbridge.connector.pull import POST_RUNS
 from kvbridge.connector.staging import Stager
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
@@ -53,7 +54,7 @@ _WAITING = (LoadState.QUEUED, LoadState.HANDSHAKE)
 
 
 class Consumer:
-    post_runs = 16384
+    post_runs = POST_RUNS
     """Runs per posted READ request (the deadline is checked between requests)."""
     trust_lease = 0.5
     """A load whose last byte landed within this fraction of the lease time P granted at
