@@ -21,8 +21,8 @@ before the table must grow again."""
 
 def reserve_fds(headroom: int = HEADROOM) -> int:
     """Grow the descriptor table to hold ``headroom`` more descriptors than the highest
-    open one (within the soft ``RLIMIT_NOFILE``); the lowest descriptor number that
-    reached, or 0 where nothing was done. Never touches an open descriptor."""
+    open one (within the soft ``RLIMIT_NOFILE``); the descriptor number that reached, or
+    0 where nothing was done. Never touches an open descriptor, never raises."""
     try:
         highest = max(int(n) for n in os.listdir("/proc/self/fd"))
     except (OSError, ValueError):
@@ -33,15 +33,16 @@ def reserve_fds(headroom: int = HEADROOM) -> int:
         target = min(target, soft - 1)
     if target <= highest:
         return 0
-    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, target)  # lowest free one >= target
-    except OSError:
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, target)  # lowest free one >= target
+        finally:
+            os.close(fd)
+        os.close(high)
+    except OSError:  # at the descriptor limit already, no /dev/null: nothing to do
         return 0
-    finally:
-        os.close(fd)
-    os.close(high)
-    return target
+    return high
 
 
 def table_size() -> int:

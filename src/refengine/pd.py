@@ -21,7 +21,14 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbridge.adapter import LoadJob, decode_handle, encode_handle, failure, summed
+from kvbridge.adapter import (
+    LoadJob,
+    decode_handle,
+    edge_tables,
+    encode_handle,
+    failure,
+    summed,
+)
 from kvbridge.api import (
     Mode,
     Outcome,
@@ -31,7 +38,6 @@ from kvbridge.api import (
     PromptMismatch,
     SideConfig,
     TransferHandle,
-    checked_tables,
 )
 from refengine.config import ModelConfig
 from refengine.errors import EngineError
@@ -210,7 +216,7 @@ class DecodeServer:
         except PromptMismatch as e:
             refused = str(e)
         limits = (self.engine.side.num_blocks,) * len(tables)
-        tabs = checked_tables(tables, limits, "D's block tables")
+        tabs = edge_tables(tables, limits, "D's block tables")  # bad ids: that load fails
         job = LoadJob(req_id, encode_handle(handle), tabs, n_cached, refused)
         if job.refused:
             return [failure(req_id, PromptMismatch(job.refused), self.policy)] * self.engine.world

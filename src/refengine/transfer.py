@@ -44,8 +44,18 @@ def move_kv(p: Instance, d: Instance, req_id: str) -> Moved:
             f"P has {n} prompt tokens computed (and must have sampled one), D reserved "
             f"{len(d.tokens(req_id))}: prefill on P, then reserve the same prompt on D"
         )
-    tag = secrets.token_hex(4)
     agents: list[Transport] = []
+    try:  # the agents go, whatever fails (the planner's and transport's errors, typed)
+        return _move(p, d, req_id, n, cached, agents)
+    finally:
+        for a in agents:
+            a.close()
+
+
+def _move(
+    p: Instance, d: Instance, req_id: str, n: int, cached: int, agents: list[Transport]
+) -> Moved:
+    tag = secrets.token_hex(4)
     p_meta = [_agent(agents, f"p{r}-{tag}", p.regions(r)) for r in range(p.tp)]
     p_side = Side(p.spec, p.parallel, [_bound(p, r) for r in range(p.tp)])
     total, runs_n = 0, 0
@@ -57,8 +67,6 @@ def move_kv(p: Instance, d: Instance, req_id: str) -> Moved:
         peers = {src: agent.add_peer(p_meta[src]) for src in plan.runs}
         read_runs(agent, peers, plan.runs, time.monotonic() + TIMEOUT_S, [])
         total, runs_n = total + plan.nbytes, runs_n + plan.descriptors
-    for a in agents:
-        a.close()
     return Moved(total, runs_n)
 
 

@@ -2,11 +2,18 @@
 :mod:`kvbridge.api`: the handle codec and D's prompt check (``handles.py``), the job
 record, its tables and the handle ↔ request bookkeeping (``jobs.py``), the outcome →
 metrics schema (``metrics.py``). The vLLM integration uses all of these; the reference
-engine the handle codec, ``LoadJob``, ``failure`` and ``summed``. Nothing here imports an
-engine, torch or numpy."""
+engine the handle codec, ``LoadJob``, ``edge_tables``, ``failure`` and ``summed``. Nothing
+here imports an engine or torch."""
 
 from kvbridge.adapter.handles import HANDLE_KEY, decode_handle, encode_handle, refusal
-from kvbridge.adapter.jobs import Loading, LoadJob, Requests, failure, state_tables
+from kvbridge.adapter.jobs import (
+    Loading,
+    LoadJob,
+    Requests,
+    edge_tables,
+    failure,
+    state_tables,
+)
 from kvbridge.adapter.metrics import (
     Metric,
     Tally,
@@ -26,6 +33,7 @@ __all__ = [
     "Requests",
     "Tally",
     "decode_handle",
+    "edge_tables",
     "encode_handle",
     "failure",
     "increase",

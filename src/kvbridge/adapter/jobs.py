@@ -10,11 +10,22 @@ from P's request id to its own, and reports a job refused before it began as a f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from kvbridge.adapter.handles import decode_handle
-from kvbridge.api import KVBridgeError, Outcome, Policy, PromptMismatch, Tables, TransferHandle
+from kvbridge.api import (
+    KVBridgeError,
+    Outcome,
+    PlanError,
+    Policy,
+    PromptMismatch,
+    Tables,
+    TransferHandle,
+    checked_tables,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +56,27 @@ def state_tables(
     ids = list(tables.ids)
     for g, bs in state_blocks.items():
         i = 0 if mode == "none" else max(n_computed - 1, 0) // bs
-        tab = ids[g]
-        ids[g] = tab[i : i + 1] if i < len(tab) and tab[i] != 0 else tab[:0]
+        if g < len(ids):  # else too few tables: the rank's check refuses their count
+            tab = ids[g]
+            ids[g] = tab[i : i + 1] if i < len(tab) and tab[i] != 0 else tab[:0]
     return Tables(tuple(ids), tables.limits, tables.seal)
+
+
+def edge_tables(tables: Sequence[Sequence[int]], limits: Sequence[int], who: str) -> Tables:
+    """An engine's block ids as :class:`Tables`, checked once, where they enter. Ids the
+    check refuses go on unsealed: the rank's :meth:`~kvbridge.api.Consumer.load` refuses
+    them again, typed, so that load alone fails and P's lease is released at once."""
+    try:
+        return checked_tables(tables, limits, who)
+    except PlanError:
+        return Tables(tuple(_raw(t) for t in tables), tuple(limits))
+
+
+def _raw(t: Sequence[int]) -> np.ndarray:
+    try:
+        return np.array(t, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):  # refused by the rank's check as well
+        return np.array(t, dtype=object)
 
 
 def failure(request_id: str, error: Exception, action: Policy = Policy.RECOMPUTE) -> Outcome:

@@ -241,6 +241,7 @@ class Producer:
         self.leases = LeaseTable(lease_s)
         self.ranks: dict[int, RankInfo] = {}
         self.server = Server(self._handle, secret, host, port, advertise=advertise, keys=keys)
+        reserve_fds()  # a first handshake must not wait for the table to grow
 
     @property
     def endpoint(self) -> str:

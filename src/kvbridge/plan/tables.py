@@ -45,9 +45,18 @@ class Tables:
 
 
 def _unpickled(ids: tuple[np.ndarray, ...], limits: tuple[int, ...], sealed: bool) -> Tables:
+    """A pickled :class:`Tables`; sealed again only if its ids still hold what the seal
+    promises (one O(n) pass: a pickle is bytes anyone may have made)."""
     for t in ids:
         t.flags.writeable = False
-    return Tables(ids, limits, _SEAL if sealed else None)
+    sealed = sealed and len(ids) == len(limits) and all(map(_within, ids, limits))
+    return Tables(tuple(ids), tuple(limits), _SEAL if sealed else None)
+
+
+def _within(t: np.ndarray, limit: int) -> bool:
+    if not (isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype == np.int64):
+        return False
+    return not t.size or int(t.view(np.uint64).max()) < limit  # negative: huge
 
 
 def checked_tables(tables: object, num_blocks: Sequence[int], who: str) -> Tables:

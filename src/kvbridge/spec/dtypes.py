@@ -25,6 +25,8 @@ class DType(enum.StrEnum):
 
 
 _ITEMSIZE = {d: int(d.split("_")[0].lstrip(ascii_lowercase)) // 8 for d in DType}
+if min(_ITEMSIZE.values()) < 1:  # a sub-byte dtype needs its own rule: fail loudly here
+    raise ImportError(f"kvbridge dtypes without a whole byte per element: {_ITEMSIZE}")
 
 _ALIASES = {
     "bf16": DType.BF16,

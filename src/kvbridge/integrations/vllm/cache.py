@@ -13,9 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from kvbridge.adapter import state_tables
+from kvbridge.adapter import edge_tables, state_tables
 from kvbridge.api import (
     ConfigError,
     Group,
@@ -23,13 +21,11 @@ from kvbridge.api import (
     Layer,
     ModelSpec,
     Parallel,
-    PlanError,
     RankLayout,
     Tables,
     TensorDesc,
     View,
     attention,
-    checked_tables,
     mla,
     parse_dtype,
     shard_interval,
@@ -82,10 +78,7 @@ class VllmCache:
         groups). Ids this check refuses go on unsealed: the rank's own check refuses them
         again, so that load alone fails, as any load of bad ids does."""
         limits = (self.num_blocks,) * len(block_ids)
-        try:
-            tabs = checked_tables(block_ids, limits, "vLLM's block tables")
-        except PlanError:
-            tabs = Tables(tuple(np.array(t, dtype=np.int64) for t in block_ids), limits)
+        tabs = edge_tables(block_ids, limits, "vLLM's block tables")
         return state_tables(tabs, self.state_blocks, self.state_mode, n_computed)
 
 

@@ -273,7 +273,7 @@ def kernel_tables(tables: Tables, splits: Sequence[int]) -> Tables:
             tab = (tab[:, None] * s + np.arange(s)).ravel()
             tab.flags.writeable = False
         ids.append(tab)
-    limits = tuple(n * s for n, s in zip(tables.limits, splits, strict=False))
+    limits = tuple(n * s for n, s in zip(tables.limits, splits, strict=True))
     return Tables(tuple(ids), limits, tables.seal)
 
 
