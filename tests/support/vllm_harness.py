@@ -175,7 +175,9 @@ def _serve(conn: Any, cfg: EngineConfig) -> None:
         return
     while True:
         cmd, args = conn.recv()
-        if cmd == "stop":
+        if cmd == "stop":  # vLLM's engine-core process first: this process's exit joins it
+            with contextlib.suppress(Exception):  # (30 s, then killed, and /dev/shm leaked)
+                llm.llm_engine.engine_core.shutdown(timeout=20)
             break
         try:
             conn.send((True, _run(llm, cmd, args)))
