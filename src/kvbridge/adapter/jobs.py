@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from kvbridge.adapter.handles import decode_handle
 from kvbridge.api import (
     KVBridgeError,
@@ -69,14 +67,7 @@ def edge_tables(tables: Sequence[Sequence[int]], limits: Sequence[int], who: str
     try:
         return checked_tables(tables, limits, who)
     except PlanError:
-        return Tables(tuple(_raw(t) for t in tables), tuple(limits))
-
-
-def _raw(t: Sequence[int]) -> np.ndarray:
-    try:
-        return np.array(t, dtype=np.int64)
-    except (OverflowError, TypeError, ValueError):  # refused by the rank's check as well
-        return np.array(t, dtype=object)
+        return Tables.unchecked(tables, limits)
 
 
 def failure(request_id: str, error: Exception, action: Policy = Policy.RECOMPUTE) -> Outcome:

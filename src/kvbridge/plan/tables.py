@@ -40,6 +40,11 @@ class Tables:
         """As the handle and the lease carry them."""
         return [t.tolist() for t in self.ids]
 
+    @classmethod
+    def unchecked(cls, tables: Sequence[Sequence[int]], limits: Sequence[int]) -> Tables:
+        """``tables`` as arrays, unsealed: whoever plans with them checks them."""
+        return cls(tuple(map(_raw, tables)), tuple(limits))
+
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         return _unpickled, (self.ids, self.limits, self.seal is _SEAL)
 
@@ -51,6 +56,13 @@ def _unpickled(ids: tuple[np.ndarray, ...], limits: tuple[int, ...], sealed: boo
         t.flags.writeable = False
     sealed = sealed and len(ids) == len(limits) and all(map(_within, ids, limits))
     return Tables(tuple(ids), tuple(limits), _SEAL if sealed else None)
+
+
+def _raw(t: Sequence[int]) -> np.ndarray:
+    try:
+        return np.array(t, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):  # refused by the check as well
+        return np.array(t, dtype=object)
 
 
 def _within(t: np.ndarray, limit: int) -> bool:
