@@ -43,16 +43,3 @@ def reserve_fds(headroom: int = HEADROOM) -> int:
     except OSError:  # at the descriptor limit already, no /dev/null: nothing to do
         return 0
     return high
-
-
-def table_size() -> int:
-    """Descriptor slots the kernel holds for this process (``FDSize`` in
-    ``/proc/self/status``), 0 where unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("FDSize:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
