@@ -120,7 +120,10 @@ def _d_main(conn: Connection, case: Case, blocks: int, scratch: int, repeats: in
 def run_case(case: Case, repeats: int = 5) -> dict[str, Any]:
     blocks = -(-case.tokens // 16) + 16
     scratch = case.tokens * 32 * 2 * 8 * 128 * 2 // case.d_tp
-    ctx = mp.get_context("spawn")
+    # P and D forked from a server that imported this module (torch, numpy, the planner)
+    # once: 2 s of imports per process otherwise; NIXL loads in the process that uses it
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
     p = ctx.Process(target=_p_main, args=(p_child, case, blocks, scratch), daemon=True)

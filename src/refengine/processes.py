@@ -137,14 +137,13 @@ class RankProcesses:
         for conn in self.conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(Stop())
-        for proc in self.procs:
-            proc.join(STOP_TIMEOUT_S)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(STOP_TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(STOP_TIMEOUT_S)
+        for step in (None, BaseProcess.terminate, BaseProcess.kill):
+            alive = [p for p in self.procs if p.is_alive()]
+            for proc in alive if step else ():
+                step(proc)
+            end = time.monotonic() + STOP_TIMEOUT_S  # one deadline for all (hung ranks)
+            for proc in alive:
+                proc.join(max(0.0, end - time.monotonic()))
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []

@@ -66,7 +66,7 @@ class Instance:
             (RankSpec(role, spec, side, r, secret, lease_s, timeout_s, mode, host),)
             for r in range(side.world)
         ]
-        self.procs = RankProcesses(_context(), _rank_main, ranks, f"{role}-rank")
+        self.procs = RankProcesses(rank_context(), _rank_main, ranks, f"{role}-rank")
         try:
             if role == "P":
                 self.producer = in_netns(
@@ -91,7 +91,7 @@ class Instance:
             self.producer.close()
 
 
-def _context() -> Any:
+def rank_context() -> Any:
     """Rank processes forked from a server that imported torch, numpy and the connector
     once (as ``refengine.ranks`` does): a spawned rank spent ~1.8 s importing them. NIXL
     is not among them: UCX must load after a rank entered its network namespace."""

@@ -3,14 +3,14 @@ silent gives a RankError naming it within the deadline, never a hang."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from multiprocessing.connection import Connection
 
 import pytest
 
-from refengine.processes import Failed, RankError, RankProcesses, serve
+from refengine.processes import STOP_TIMEOUT_S, Failed, RankError, RankProcesses, serve
+from tests.support.procs import rank_context
 
 
 def _echo(conn: Connection, rank: int, boot_fails: bool = False) -> None:
@@ -32,7 +32,7 @@ def _echo(conn: Connection, rank: int, boot_fails: bool = False) -> None:
     serve(conn, handle, rank)
 
 
-CTX = mp.get_context("spawn")
+CTX = rank_context()
 
 
 def test_replies_come_one_per_rank_in_order() -> None:
@@ -56,6 +56,11 @@ def test_a_silent_rank_times_out_and_a_dead_rank_is_named() -> None:
         with pytest.raises(RankError, match="rank 0 failed tuple: no answer within 1 s"):
             procs.call(("sleep", 30.0), 1.0)
         assert time.monotonic() - t0 < 3
+        # both ranks are busy for 30 s: closing waits one stop timeout for all, not one each
+        held, t0 = list(procs.procs), time.monotonic()
+        procs.close()
+        assert time.monotonic() - t0 < 2 * STOP_TIMEOUT_S - 1
+        assert all(not p.is_alive() for p in held) and procs.pids == ()
     finally:
         procs.close()
     procs = RankProcesses(CTX, _echo, [(0,), (1,)])
