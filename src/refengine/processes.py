@@ -137,16 +137,22 @@ class RankProcesses:
         for conn in self.conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(Stop())
-        for step in (None, BaseProcess.terminate, BaseProcess.kill):
+        _join_all(self.procs)
+        for step in (BaseProcess.terminate, BaseProcess.kill):
             alive = [p for p in self.procs if p.is_alive()]
-            for proc in alive if step else ():
-                step(proc)
-            end = time.monotonic() + STOP_TIMEOUT_S  # one deadline for all (hung ranks)
             for proc in alive:
-                proc.join(max(0.0, end - time.monotonic()))
+                step(proc)
+            _join_all(alive)
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
+
+
+def _join_all(procs: Sequence[BaseProcess]) -> None:
+    """Wait for ``procs`` to exit, one stop timeout for all (not one each: hung ranks)."""
+    end = time.monotonic() + STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, end - time.monotonic()))
 
 
 def _exited(proc: BaseProcess) -> str:
