@@ -40,13 +40,13 @@ from typing import Any
 
 from benchmarks.nixl_delay import ENV as DELAY_ENV
 from kvbridge import envs
+from refengine.ranks import free_port
 from tests.support.tiny_models import make_tiny_model
 from tests.support.vllm_harness import (
     Engine,
     EngineConfig,
     EngineError,
     close_all,
-    side_port,
     start_all,
 )
 
@@ -127,7 +127,7 @@ def _configs(case: Case, model: str, site: str) -> dict[str, tuple[EngineConfig,
             else:
                 env = {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    SIDE_PORT: str(side_port()),
+                    SIDE_PORT: str(free_port()),
                     "PYTHONPATH": os.pathsep.join(
                         filter(None, [site, os.environ.get("PYTHONPATH")])
                     ),
@@ -152,11 +152,11 @@ def engines(
 ) -> Iterator[Pairs]:
     """Every engine of ``cfgs`` (with a pool of ``blocks`` if given), started two at a
     time; all closed (at once) on the way out, also when a start fails. A NixlConnector
-    engine's side-channel port is chosen as it starts (:func:`side_port`)."""
+    engine's side-channel port is chosen as it starts (:func:`refengine.ranks.free_port`)."""
 
     def start(cfg: EngineConfig) -> Engine:
         if SIDE_PORT in cfg.env:
-            cfg = replace(cfg, env={**cfg.env, SIDE_PORT: str(side_port())})
+            cfg = replace(cfg, env={**cfg.env, SIDE_PORT: str(free_port())})
         return Engine(replace(cfg, num_blocks=blocks) if blocks else cfg)
 
     started = start_all([cfg for pair in cfgs.values() for cfg in pair], start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ from kvbridge.api import KVBridgeError
 
 POLL_S = 0.5
 STOP_TIMEOUT_S = 5.0
+PRELOAD = ["torch", "refengine.worker"]
+"""What the forkserver of rank processes imports once (one server per process: whoever
+starts it first sets the list; callers add their own modules to this one). Variables
+read at those imports (libgomp's ``OMP_*``) come from the server's environment."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +86,9 @@ class RankProcesses:
         try:
             for rank, a in enumerate(args):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=target, args=(theirs, *a), name=f"{name}{rank}")
+                env = dict(os.environ)  # a forkserver's child has the server's otherwise
+                run = (env, target, theirs, *a)
+                proc = ctx.Process(target=_in_env, args=run, name=f"{name}{rank}")
                 proc.daemon = True
                 proc.start()
                 theirs.close()
@@ -146,6 +153,13 @@ class RankProcesses:
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
+
+
+def _in_env(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """``target(*args)`` in the caller's environment as it was when the rank started."""
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
 
 
 def _join_all(procs: Sequence[BaseProcess]) -> None:

@@ -8,15 +8,17 @@ closed: a half-answered collective cannot be resumed.
 from __future__ import annotations
 
 import multiprocessing
+import random
 import socket
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from refengine.comm import Comm
 from refengine.errors import EngineError
 from refengine.messages import Boot, Command, Regions, Reply, Stop
-from refengine.processes import RankError, RankProcesses
+from refengine.processes import PRELOAD, RankError, RankProcesses
 from refengine.worker import RankEngine, worker_main
 
 BOOT_TIMEOUT_S = 120.0
@@ -61,7 +63,7 @@ class ProcessRanks:
 
     def __init__(self, boot: Boot, timeout_s: float) -> None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "refengine.worker"])
+        ctx.set_forkserver_preload(PRELOAD)
         port = free_port()
         self.timeout_s = timeout_s
         boots = [(replace(boot, rank=r, port=port),) for r in range(boot.side.world)]
@@ -89,7 +91,24 @@ class ProcessRanks:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range. A port taken
+    from the ephemeral range and released can be handed to any other socket (a UCX or
+    ZeroMQ connection of a process starting meanwhile: a vLLM engine, another instance)
+    before its user binds it, and that user then fails to start."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    lo, hi = max(1024, low - 12000), low
+    if hi - lo < 1000:  # an ephemeral range that starts low: take a port above it
+        lo, hi = 60000, 65000
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise EngineError("no free port below the ephemeral range")

@@ -8,9 +8,8 @@ P coordinator (:class:`Producer`); each rank process runs a
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -18,7 +17,7 @@ from kvbridge.connector.producer import Producer
 from kvbridge.layout.side import SideConfig
 from kvbridge.spec.model import ModelSpec
 from refengine.netns import enter, in_netns
-from refengine.processes import RankProcesses, serve
+from refengine.processes import PRELOAD, RankProcesses, serve
 from tests.support.rank_worker import Info
 
 
@@ -37,9 +36,6 @@ class RankSpec:
     mode: str = "pull"
     host: str = "127.0.0.1"
     """Address the rank's side channel binds and advertises (P, push)."""
-    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    """The caller's environment when the instance starts (a forkserver's child inherits
-    the server's: a test's ``monkeypatch.setenv`` would not reach it)."""
 
 
 class Instance:
@@ -96,13 +92,11 @@ def rank_context() -> Any:
     once (as ``refengine.ranks`` does): a spawned rank spent ~1.8 s importing them. NIXL
     is not among them: UCX must load after a rank entered its network namespace."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "refengine.worker", "tests.support.rank_worker"])
+    ctx.set_forkserver_preload([*PRELOAD, "tests.support.rank_worker"])
     return ctx
 
 
 def _rank_main(conn: Connection, rs: RankSpec) -> None:
-    os.environ.clear()
-    os.environ.update(rs.env)
     if rs.side.netns:
         enter(rs.side.netns)  # before NIXL/UCX load: UCX reads the interfaces when it loads
     from tests.support.rank_worker import RankWorker

@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import random
 import signal
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -182,8 +180,8 @@ def _serve(conn: Any, cfg: EngineConfig) -> None:
         return
     while True:
         cmd, args = conn.recv()
-        if cmd == "stop":  # vLLM's engine-core process first: this process's exit joins it
-            with contextlib.suppress(Exception):  # (30 s, then killed, and /dev/shm leaked)
+        if cmd == "stop":  # vLLM's engine core first: this process's exit would join its
+            with contextlib.suppress(Exception):  # processes 30 s, kill them, leak /dev/shm
                 llm.llm_engine.engine_core.shutdown(timeout=20)
             break
         try:
@@ -297,27 +295,3 @@ def block_size(worker: Any) -> int:
     """For :meth:`Engine.rpc`: the attention block size vLLM settled on (for hybrid
     models it raises the one asked for until a block's page holds a Mamba state)."""
     return int(worker.vllm_config.cache_config.block_size)
-
-
-def side_port() -> int:
-    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range. A port taken
-    from the ephemeral range and released can be handed to any other socket (a UCX or
-    ZeroMQ connection of an engine starting meanwhile, another benchmark) before the
-    engine binds it; NixlConnector then fails to bind and its engine never comes up."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    lo, hi = max(1024, low - 12000), low
-    if hi - lo < 1000:  # an ephemeral range that starts low: take a port above it
-        lo, hi = 60000, 65000
-    rng = random.SystemRandom()
-    for _ in range(100):
-        port = rng.randrange(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise EngineError("no free port below the ephemeral range")

@@ -85,8 +85,9 @@ def pd(p: Engine, d: Engine, batch: list[list[int]], new_tokens: int = 16) -> li
 def release_at_p(params: list[dict[str, object] | None]) -> None:
     """End the leases of handles no D will load (a test tampered with copies of them):
     as a failed D rank would, so P frees their blocks now, not at lease expiry. Until
-    then vLLM steps the P engine without pause (a request waits on its connector),
-    taking a core from every engine started meanwhile (~60 s stalls seen)."""
+    then an engine core in a process of its own steps P without pause (a request waits
+    on its connector), taking a core from every engine started meanwhile (~60 s stalls
+    seen); one in the engine's process (``core_process=False``) holds the blocks."""
     secret = str(SECRET["secret"]).encode()
     for prm in params:
         h = TransferHandle.from_bytes(base64.b64decode(str((prm or {})["kvbridge"])))

@@ -9,7 +9,6 @@ fit), two warm-up batches and two timed requests per connector."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,6 @@ def test_trace_llama_fragmented_pools(models: Path, tmp_path: Path) -> None:
     site.mkdir()
     (site / "sitecustomize.py").write_text(bench._SITECUSTOMIZE)
     (case,) = [c for c in bench.CASES if c.name == "llama 128->128"]
-    case = replace(case, engine_kw={**case.engine_kw, "core_process": False})  # see conftest
     rows = run_trace_case(case, models, str(site), calls=2, rounds=2, progress=print)
     got = {r["connector"]: r for r in rows}
     kvb, nixl = got["kvbridge"], got["nixl"]

@@ -4,6 +4,7 @@ against a colocated run, a prefix already cached on D, and a scrambled-P control
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -62,11 +63,7 @@ def test_prompt_cached_on_d_releases_p_at_once(engines: tuple[Engine, ...]) -> N
     after_d = totals(b)
     assert after_d.get("loads_ok", 0) == before_d.get("loads_ok", 0)
     assert after_d["releases"] == before_d.get("releases", 0) + 1
-    t0 = time.monotonic()
-    while totals(a).get("leases_done", 0) == before_p.get("leases_done", 0):
-        assert time.monotonic() - t0 < 10, "P still holds the blocks"
-        a.generate([[7, 8, 9]], 1)  # P drains freed leases when it steps
-        time.sleep(0.2)
+    step_until(a, lambda: totals(a).get("leases_done", 0) > before_p.get("leases_done", 0))
 
 
 def test_scrambled_p_cache_changes_d_output(engines: tuple[Engine, ...]) -> None:
@@ -78,10 +75,16 @@ def test_scrambled_p_cache_changes_d_output(engines: tuple[Engine, ...]) -> None
     assert sum(a.rpc(scramble_cache)) >= 1
     out = b.generate(batch, 16, [o.kv_transfer_params for o in pre])
     assert all(o.tokens != r for o, r in zip(out, ref, strict=True))
-    # vLLM resets the prefix cache only once no request holds blocks; P frees the leases
-    # D ended when it steps, and its engine core (in the engine's process) steps in calls
+    # vLLM resets the prefix cache only once no request holds blocks
+    step_until(a, a.reset_prefix_cache)
+
+
+def step_until(p: Engine, done: Callable[[], bool]) -> None:
+    """Step ``p`` until ``done()``: P frees the blocks of leases D ended when it steps,
+    and an engine core in the engine's process (``core_process=False``) steps only
+    inside calls."""
     t0 = time.monotonic()
-    while not a.reset_prefix_cache():
+    while not done():
         assert time.monotonic() - t0 < 10, "P still holds the blocks"
-        a.generate([[7, 8, 9]], 1)
+        p.generate([[7, 8, 9]], 1)
         time.sleep(0.2)

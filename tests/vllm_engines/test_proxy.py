@@ -5,7 +5,6 @@ front; answers equal the colocated answer of the same server, streaming too."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -16,17 +15,12 @@ import pytest
 from aiohttp import web
 
 from kvbridge.serve.proxy import Proxy
+from refengine.ranks import free_port
 from tests.support.vllm_server import Server, ServerConfig
 from tests.vllm_engines.conftest import SECRET, model
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.vllm
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
