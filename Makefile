@@ -28,9 +28,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# the real-vLLM tier in a second pytest meanwhile (tools/run_tests.py)
 pytest: $(STAMP)
-	$(BIN)/python tools/run_tests.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test: lint typecheck pytest
 
