@@ -61,6 +61,8 @@ class RankState:
     kernel_geom: Geometry | None = None
     """D: its pairing over the offsets of :attr:`maps` and :attr:`own` (as the kernel
     mover plans)."""
+    divisors: dict[int, int] = field(default_factory=dict)
+    """D: per P rank, :meth:`Geometry.divisor` of :attr:`kernel_geom`."""
     p0_staging: torch.Tensor | None = None
     opened: list[Opened] = field(default_factory=list)
     notifs: set[bytes] = field(default_factory=set)
@@ -212,6 +214,7 @@ def open_maps(st: RankState, cmd: m.OpenMaps) -> None:
     p_off = [Bound(b.layout, st.maps[r].bases) if r in st.maps else b for r, b in enumerate(p_b)]
     d_off = Bound(d_b[st.rank].layout, st.own.bases)
     st.kernel_geom = Geometry(Side(sp, pp, p_off), Side(sd, pd, {st.rank: d_off}), st.rank)
+    st.divisors = {r: st.kernel_geom.divisor(r) for r in st.maps}
     if cmd.staging is not None:
         opened = Opened([cmd.staging], st.pools.kind, 0)
         st.opened.append(opened)

@@ -113,6 +113,10 @@ def run_scenario(
         d_side = PlanSide(d.spec, d.par, {r: d.bound(r)})
         geom = Geometry(PlanSide(p.spec, p.par, p_bound), d_side, r, pad_blocks)
         plan = geom.plan(n, p_tabs, d_tabs, cached)
+        for src, runs in plan.runs.items():  # what the kernel mover's copies rely on
+            k = geom.divisor(src)
+            for col in (runs.src, runs.dst, runs.length):
+                assert not (col % k).any(), f"divisor {k}"
         peers = {src: agent.add_peer(p_agents[src].register([])) for src in plan.runs}
         read_runs(agent, peers, plan.runs, time.monotonic() + 60.0, [])
         _check_dest(d, r, before, n, cached, d_tabs, pads if pad_blocks else None)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.connector import device_copies
-from kvbridge.connector.device_copies import copy_cost_probe, rows_copy
+from kvbridge.connector.device_copies import checked_copy, copy_cost_probe, rows_copy
 from kvbridge.errors import TransportError
 
 DEVICES = [
@@ -61,14 +61,19 @@ def run_and_check(
     *,
     leads: tuple[int, int] = (0, 0),
     as_numpy: bool = True,
+    divisor: int = 0,
 ) -> None:
-    """Copy with rows_copy (views ``leads`` bytes into their buffers) and compare every
-    byte of both buffers with the reference: bytes outside the runs stay as they were."""
+    """Copy with rows_copy (``divisor``: with checked_copy, told that it divides every
+    offset) (views ``leads`` bytes into their buffers) and compare every byte of both
+    buffers with the reference: bytes outside the runs stay as they were."""
     d_whole, dst_t = placed(dst, leads[0], device)
     s_whole, src_t = placed(src, leads[1], device)
     before = s_whole.cpu().numpy().copy()
     offs = (d_off, s_off) if as_numpy else (torch.as_tensor(d_off), torch.as_tensor(s_off))
-    rows_copy(dst_t, offs[0], src_t, offs[1], size)
+    if divisor:
+        checked_copy(dst_t, d_off, src_t, s_off, size, divisor)
+    else:
+        rows_copy(dst_t, offs[0], src_t, offs[1], size)
     got = d_whole.cpu().numpy()
     assert (got[: leads[0]] == 0xA5).all()
     np.testing.assert_array_equal(got[leads[0] :], reference(dst, d_off, src, s_off, size))
@@ -98,6 +103,41 @@ def test_matches_reference(device: str, size: int, pattern: str, as_numpy: bool)
     src = rng.integers(0, 256, nbytes, dtype=np.uint8)
     dst = rng.integers(0, 256, nbytes + 40, dtype=np.uint8)
     run_and_check(device, dst, d_off, src, s_off, size, as_numpy=as_numpy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("size", [1024, 256, 24, 3])
+@pytest.mark.parametrize("pattern", ["whole", "word", "odd"])
+@pytest.mark.parametrize("leads", [(0, 0), (1, 3), (4, 0)])
+@pytest.mark.parametrize("told", ["gcd", "1"])
+def test_checked_copy_matches_reference(
+    device: str, size: int, pattern: str, leads: tuple[int, int], told: str, monkeypatch
+) -> None:
+    """checked_copy with the offsets' gcd (or just 1) as the divisor: byte-exact, at any
+    address, and without scanning the runs again (``_inspect*`` must not run)."""
+    d_off, s_off, nbytes = layout(40, size, pattern, seed=size + 5)
+    rng = np.random.default_rng(size + 6)
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    divisor = int(np.gcd.reduce(np.concatenate((d_off, s_off)))) if told == "gcd" else 1
+
+    def scanned(*_):
+        raise AssertionError("checked_copy scanned the runs")
+
+    monkeypatch.setattr(device_copies, "_inspect", scanned)
+    monkeypatch.setattr(device_copies, "_inspect_host", scanned)
+    run_and_check(device, dst, d_off, src, s_off, size, leads=leads, divisor=divisor)
+
+
+def test_checked_copy_refuses_bad_arguments() -> None:
+    u8 = torch.zeros(64, dtype=torch.uint8)
+    off = np.array([0, 8])
+    with pytest.raises(TransportError, match="a divisor of 0 B"):
+        checked_copy(u8, off, u8, off, 8, 0)
+    with pytest.raises(TransportError, match="2 destination offsets for 1 sources"):
+        checked_copy(u8, off, u8, off[:1], 8, 8)
+    with pytest.raises(TransportError, match="uint8"):
+        checked_copy(u8.view(torch.int32), off, u8, off, 8, 8)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,6 +10,7 @@ import mmap
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -116,7 +117,7 @@ def test_memory_mapped_again_gets_a_new_geometry_and_stale_offsets_copy_nothing(
         plan = before.geometry.plan(handle.n_tokens, handle.block_tables, d_tabs, 0)
         d_before = [b.copy() for b in w.d.bufs[0]]
         with pytest.raises(TransportError, match="mapped again since this load was planned"):
-            c.kernel.move(peer, plan.runs, {src: (-1,) for src in plan.runs})
+            c.kernel.move(peer, plan.runs, replace(before, bases={src: (-1,) for src in plan.runs}))
         assert all(np.array_equal(a, b) for a, b in zip(d_before, w.d.bufs[0], strict=True))
         after, why = c.kernel.geometry(peer)
         assert after is not None and after is not before, why

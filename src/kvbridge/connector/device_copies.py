@@ -62,10 +62,7 @@ def rows_copy(
     host = isinstance(d_off, np.ndarray) and isinstance(s_off, np.ndarray)
     if host:  # checked on the host: no read back from the device
         facts = _inspect_host(dst, np.asarray(d_off), src, np.asarray(s_off), size)
-    on: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if stream is not None and dst.is_cuda:
-        on = torch.cuda.stream(stream)
-    with on:
+    with _on(stream, dst):
         d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
         if d.shape != s.shape:
             raise TransportError(f"{d.numel()} destination offsets for {s.numel()} sources")
@@ -73,6 +70,45 @@ def rows_copy(
             return
         whole, low = facts if host else _inspect(dst, d, src, s, size)
         _copy(dst, d, src, s, size, _word(size, low, dst, src), whole)
+
+
+def checked_copy(
+    dst: torch.Tensor,
+    d_off: np.ndarray,
+    src: torch.Tensor,
+    s_off: np.ndarray,
+    size: int,
+    divisor: int,
+    *,
+    stream: Any = None,
+) -> None:
+    """:func:`rows_copy` of runs the caller has already checked, without scanning them
+    again: every run lies inside its tensor and no destination run overlaps another run
+    (the kernel mover's :func:`~kvbridge.connector.kernel_mover.copy_groups` checks the
+    bounds of a plan; the planner writes each destination byte once), and ``divisor``
+    (bytes, > 0) divides every offset (the plan's geometry tells it:
+    :meth:`~kvbridge.plan.geometry.Geometry.divisor`). The word width and whether runs
+    are whole rows follow from ``divisor`` and ``size``: no per-run scan on the host or
+    read back from the device. An offset that ``divisor`` does not divide is the caller's
+    bug (undefined bytes), as an unchecked run would be."""
+    _check_tensors(dst, src, size)
+    if divisor <= 0:
+        raise TransportError(f"a divisor of {divisor} B")
+    if d_off.shape != s_off.shape:
+        raise TransportError(f"{d_off.shape[0]} destination offsets for {s_off.shape[0]} sources")
+    if not d_off.shape[0]:
+        return
+    with _on(stream, dst):
+        d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
+        low = min(divisor & -divisor, 8)  # the widest power of two ≤ 8 dividing it
+        _copy(dst, d, src, s, size, _word(size, low, dst, src), divisor % size == 0)
+
+
+def _on(stream: Any, dst: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """``stream`` as torch's current CUDA stream for copies into ``dst`` (CPU: none)."""
+    if stream is not None and dst.is_cuda:
+        return torch.cuda.stream(stream)
+    return contextlib.nullcontext()
 
 
 def triton_enabled() -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvbridge.connector.device_copies import rows_copy
+from kvbridge.connector.device_copies import checked_copy
 from kvbridge.connector.device_memory import Span, equal_runs
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
@@ -32,11 +32,13 @@ _MADE = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class Over:
-    """A pair's geometry over the offsets of mapped memory, and the offsets of P's
-    regions (per P rank) it was made over."""
+    """A pair's geometry over the offsets of mapped memory, the offsets of P's regions
+    (per P rank) it was made over, and per P rank a number dividing every offset and
+    length its runs can have (:meth:`Geometry.divisor`: the copies' word width)."""
 
     geometry: Geometry
     bases: dict[int, tuple[int, ...]]
+    divisors: dict[int, int]
 
 
 @dataclass(slots=True)
@@ -95,7 +97,8 @@ class KernelMover:
             if known is not None and known[0] == made:
                 return known[1], ""
             bases = {src: m.span.bases for src, m in zip(sources, held, strict=True)}
-            over = Over(peer.remake(bases, self.dst.bases), bases)
+            geometry = peer.remake(bases, self.dst.bases)
+            over = Over(geometry, bases, {src: geometry.divisor(src) for src in sources})
         except TransportError as exc:  # remembered per P epoch: over the transport
             return None, f"P rank {src}'s memory cannot be mapped here: {exc}"
         finally:
@@ -108,23 +111,27 @@ class KernelMover:
                 del self._geometries[next(iter(self._geometries))]
         return over, ""
 
-    def move(self, peer: Peer, runs: dict[int, Runs], bases: dict[int, tuple[int, ...]]) -> int:
-        """Copy every run of ``runs`` (per P rank; planned in :meth:`geometry` over P's
-        regions at ``bases``) from P's mapped memory; the number of copy calls. P's memory
-        mapped again since is a :class:`TransportError` before any byte moves. Returns (or
-        raises) only once every copy it started has ended."""
+    def move(self, peer: Peer, runs: dict[int, Runs], over: Over) -> int:
+        """Copy every run of ``runs`` (per P rank; planned in ``over``, from
+        :meth:`geometry`) from P's mapped memory; the number of copy calls. P's memory
+        mapped again since is a :class:`TransportError` before any byte moves. Every run is
+        bounds-checked once (:func:`copy_groups`); the copies scan nothing again. Returns
+        (or raises) only once every copy it started has ended."""
         calls, held = 0, []
         try:
             for src, r in runs.items():
                 held.append(self._acquire(peer, src))
                 span = held[-1].span
-                if span.bases != bases.get(src):
+                if span.bases != over.bases.get(src):
                     raise TransportError(
                         f"P rank {src}'s memory was mapped again since this load was "
                         "planned (P restarted?)"
                     )
+                divisor = over.divisors[src]
                 for d, s, size in copy_groups(span, self.dst, r, f"P rank {src}'s"):
-                    rows_copy(self.dst.tensor, d, span.tensor, s, size, stream=self.stream)
+                    checked_copy(
+                        self.dst.tensor, d, span.tensor, s, size, divisor, stream=self.stream
+                    )
                     calls += 1
         finally:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer
@@ -12,6 +13,9 @@ from kvbridge.control.messages import tables_digest
 from kvbridge.plan.tables import Tables
 from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
+
+if TYPE_CHECKING:
+    from kvbridge.connector.kernel_mover import Over
 
 
 class Policy(enum.StrEnum):
@@ -108,9 +112,9 @@ class _Load:
     """Push: issued by D for this load; retired when it ends."""
     no_kernel: str = ""
     """Why the kernel mover does not serve this load; set when the load is planned."""
-    mapped: dict[int, tuple[int, ...]] | None = None
-    """Where the kernel mover serves it: the offsets of P's regions in the memory it
-    mapped, per P rank, that the plan was made over."""
+    mapped: Over | None = None
+    """Where the kernel mover serves it: the geometry over the memory it mapped that the
+    plan was made in (with the offsets of P's regions there, per P rank)."""
     planned_in: str = ""
     """The mover whose own geometry the load was planned in, the only one that may move
     it ("": the pair's geometry, any mover)."""

@@ -88,7 +88,7 @@ def transfer(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]
 
 def _kernel_plan_in(d: Consumer, peer: Peer, job: _Load) -> Geometry | None:
     over, job.no_kernel = d.kernel.geometry(peer) if d.kernel else (None, "D maps nothing")
-    job.mapped = over.bases if over else None
+    job.mapped = over
     return over.geometry if over else None
 
 

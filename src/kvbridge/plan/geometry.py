@@ -139,6 +139,22 @@ class Geometry:
         self.groups = tuple(groups)
         self.links = self._links()
 
+    def divisor(self, src: int) -> int:
+        """A number (bytes, > 0) dividing every source and destination address and every
+        length of the runs :meth:`plan` can give source rank ``src``: the gcd of its tile
+        patterns' offsets, block strides and lengths (a run starts at ``offset + id ·
+        stride`` and joins whole runs). Copies take word widths from it, not from a scan."""
+        cols = [
+            b.fine[k]
+            for gg in self.groups
+            for b in gg.buckets
+            if b.src_rank == src
+            for k in ("soff", "sstr", "doff", "dstr", "length")
+        ]
+        if not cols:
+            return 1
+        return int(np.gcd.reduce(np.abs(np.concatenate(cols)))) or 1
+
     def _links(self) -> dict[int, RankLinks]:
         """Links per source rank, and how each is told per request (:mod:`.joins`)."""
         tiles = [gg.tile for gg in self.groups]
