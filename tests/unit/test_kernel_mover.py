@@ -9,6 +9,7 @@ import ctypes
 import mmap
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ import pytest
 
 from kvbridge.connector.copies import by_length
 from kvbridge.connector.device_memory import Span
+from kvbridge.control.messages import LeaseOp, tables_digest
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind, Region
 from kvbridge.transport.ipc import Opened, Share, export, node_id
@@ -373,3 +375,80 @@ def test_an_older_epochs_mapping_closes_once_no_copy_uses_it() -> None:
         mover._acquire(SimpleNamespace(engine_id="P", epoch="e3"), 0)
     assert closed == ["e1", "e2"]  # retired though the new epoch did not map
     mover.close()
+
+
+def _landed(w: World, before, n: int, d_tabs) -> bool:
+    try:
+        check_bytes(w, before, n, 0, d_tabs)
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_kernel_copy_runs_while_p_answers_begin_other_movers_wait(
+    shm: ShmPool, kernel: bool, monkeypatch
+) -> None:
+    """The kernel mover reads P's memory in place and asks P nothing, so its copy does not
+    wait for P's answer to ``begin`` (the lease round trip is off the critical path): P,
+    holding its answer, sees D's bytes land. A mover that does ask P (pull here) starts
+    only once P answered: P sees nothing land while it holds the answer."""
+    w = World(p_memory=shm)
+    seen: list[bool] = []
+    try:
+        if not kernel:
+            for c in w.consumers:
+                c.kernel = None
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("r1", 45)
+        real = w.producer.leases.on_op
+
+        def on_op(msg):
+            if msg.op == "begin":  # hold the answer until D's bytes landed (1 s at most)
+                end = time.monotonic() + 1.0
+                while not _landed(w, before, 45, d_tabs) and time.monotonic() < end:
+                    time.sleep(0.005)
+                seen.append(_landed(w, before, 45, d_tabs))
+            return real(msg)
+
+        monkeypatch.setattr(w.producer.leases, "on_op", on_op)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok, out.error
+        assert out.mover == ("kernel" if kernel else "pull")
+        assert seen == [kernel]
+        check_bytes(w, before, 45, 0, d_tabs)
+        if kernel:  # the wait for P's answer lies inside the transfer: not added to it
+            assert out.stages["lease"] <= out.stages["transfer"]
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("refusal", ["aborted", "lapsed", "another D began"])
+def test_a_kernel_copy_made_before_p_refused_the_lease_fails_the_load(
+    shm: ShmPool, refusal: str
+) -> None:
+    """Bytes the kernel mover copied while P answered count only if P answered "held":
+    an aborted or lapsed lease, or one another D engine began, fails the load (its
+    blocks reported for recompute), never reports it done."""
+    w = World(p_memory=shm, lease_s=0.3 if refusal == "lapsed" else 30.0)
+    try:
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("r1", 45)
+        if refusal == "aborted":
+            assert w.producer.abort("r1")
+        elif refusal == "lapsed":
+            time.sleep(0.6)
+        else:
+            digest = tables_digest(handle.block_tables, handle.n_tokens)
+            op = LeaseOp("begin", "r1", handle.lease_id, digest, "D-other", 0, 1, "e0", "")
+            assert w.producer.leases.on_op(op).state == "held"
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert not out.ok
+        want = {"aborted": "LeaseExpired", "lapsed": "LeaseExpired"}
+        assert want.get(refusal, "not this D's lease") in out.error, out.error
+        assert out.failed_blocks[0] == d_tabs[0]
+        assert _landed(w, before, 45, d_tabs)  # the copy ran before P's answer came
+    finally:
+        w.close()

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -37,6 +37,7 @@ from kvbridge.connector.movers import Directions, movers, plan_geometry, transfe
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.pull import POST_RUNS
 from kvbridge.connector.staging import Stager
+from kvbridge.control.messages import Message
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
 from kvbridge.fdtable import reserve_fds
@@ -51,6 +52,34 @@ from kvbridge.transport.base import Transport
 
 log = logging.getLogger(__name__)
 _WAITING = (LoadState.QUEUED, LoadState.HANDSHAKE)
+
+
+class Answer:
+    """P's reply to a load's ``begin``, taken once (:meth:`take`), then kept: the lease
+    seconds left, or the typed error every later :meth:`take` raises again."""
+
+    def __init__(self, reply: Callable[[], Message]):
+        self._reply: Callable[[], Message] | None = reply
+        self._left = 0.0
+        self._error: Exception | None = None
+        self.waited = 0.0
+        """Seconds spent waiting for the reply."""
+
+    def take(self, leases: LeaseCalls, job: _Load, quiet: bool = False) -> float:
+        """Wait for the reply (the first call), check it (:meth:`LeaseCalls.begun`: the
+        token is kept) → lease seconds left; ``quiet``: raise nothing (the caller is
+        failing already, or takes the answer again later)."""
+        if self._reply is not None:
+            reply, self._reply = self._reply, None
+            t0 = time.perf_counter()
+            try:
+                self._left = leases.begun(job, reply())
+            except Exception as exc:
+                self._error = exc
+            self.waited = time.perf_counter() - t0
+        if self._error is not None and not quiet:
+            raise self._error
+        return self._left
 
 
 class Consumer:
@@ -184,10 +213,9 @@ class Consumer:
             job.move(LoadState.HANDSHAKE)
             peer = job.peer = self.peers.get(job.handle, since=job.queued)
             job.lap("handshake")
-            plan, begun, left = self._begin(peer, job)
+            plan, begun, answer = self._begin(peer, job)
             job.move(LoadState.TRANSFER)
-            mover, why = transfer(self, peer, plan, job)
-            job.lap("transfer")
+            mover, why, left = self._move(peer, plan, job, answer)
             late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
             job.move(LoadState.DONE)
             out = Outcome(
@@ -228,21 +256,45 @@ class Consumer:
         else:  # P frees the blocks when every D rank has confirmed: tell it, off the path
             self._tell_p.submit(self.leases.confirm_later, peer, job, time.monotonic())
 
-    def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, float]:
-        """``begin`` sent, the plan made while P answers (P's other calls wait for it; in
-        a mover's own geometry where one asks for it, :func:`plan_geometry`), P's "held"
-        checked → (plan, monotonic time begin was sent, lease seconds left)."""
+    def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, Answer]:
+        """``begin`` sent, the plan made while P answers (in a mover's own geometry where
+        one asks for it, :func:`plan_geometry`) → (plan, monotonic time begin was sent,
+        P's answer still to take)."""
         begun = time.monotonic()
-        reply = peer.client.send(self.leases.op(job, "begin"), since=job.queued)
+        answer = Answer(peer.client.send(self.leases.op(job, "begin"), since=job.queued))
         try:
             h = job.handle
             geometry = plan_geometry(self, peer, job)
             plan = geometry.plan(h.n_tokens, h.block_tables, job.tables, job.cached)
+        except BaseException:
+            answer.take(self.leases, job, quiet=True)  # its token goes with "fail"
+            raise
         finally:
             job.lap("plan")
-            left = self.leases.begun(job, reply())
-            job.lap("lease")
-        return plan, begun, left
+        return plan, begun, answer
+
+    def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Answer) -> tuple[str, str, float]:
+        """Move ``plan`` once P's ``begin`` answer says the lease is held, or, for the
+        kernel mover (it reads P's memory in place and asks P nothing), while P answers:
+        the copies are launched first and the answer taken before they are waited for.
+        Either way the load counts only if P answered "held" (bytes copied from a lease
+        that lapsed, was aborted or is another D's fail it: ``docs/faults.md``)
+        → (mover, why, lease seconds left at ``begin``)."""
+        overlap = job.planned_in == "kernel"
+        try:
+            if not overlap:
+                answer.take(self.leases, job)
+                job.lap("lease")
+            else:
+                job.answer = lambda: answer.take(self.leases, job)
+            mover, why = transfer(self, peer, plan, job)
+        finally:
+            answer.take(self.leases, job, quiet=True)  # whatever happened: P's token
+        left = answer.take(self.leases, job)  # "held", or the load fails here
+        job.lap("transfer")
+        if overlap:
+            job.stages["lease"] = answer.waited  # inside "transfer", while the copies ran
+        return mover, why, left
 
     def _verify(self, peer: Peer, job: _Load, late: bool) -> bool:
         """A ``late`` load asks P whether the lease held after its last byte landed."""

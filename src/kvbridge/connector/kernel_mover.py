@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,12 +112,20 @@ class KernelMover:
                 del self._geometries[next(iter(self._geometries))]
         return over, ""
 
-    def move(self, peer: Peer, runs: dict[int, Runs], over: Over) -> int:
+    def move(
+        self,
+        peer: Peer,
+        runs: dict[int, Runs],
+        over: Over,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> int:
         """Copy every run of ``runs`` (per P rank; planned in ``over``, from
         :meth:`geometry`) from P's mapped memory; the number of copy calls. P's memory
         mapped again since is a :class:`TransportError` before any byte moves. Every run is
-        bounds-checked once (:func:`copy_groups`); the copies scan nothing again. Returns
-        (or raises) only once every copy it started has ended."""
+        bounds-checked once (:func:`copy_groups`); the copies scan nothing again.
+        ``meanwhile`` runs once the copies are launched (on a GPU: while they run), before
+        they are waited for. Returns (or raises) only once every copy it started has
+        ended."""
         calls, held = 0, []
         try:
             for src, r in runs.items():
@@ -133,6 +142,8 @@ class KernelMover:
                         self.dst.tensor, d, span.tensor, s, size, divisor, stream=self.stream
                     )
                     calls += 1
+            if meanwhile is not None:
+                meanwhile()
         finally:
             try:
                 if self.stream is not None:

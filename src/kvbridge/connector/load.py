@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -115,6 +116,10 @@ class _Load:
     mapped: Over | None = None
     """Where the kernel mover serves it: the geometry over the memory it mapped that the
     plan was made in (with the offsets of P's regions there, per P rank)."""
+    answer: Callable[[], object] | None = None
+    """Takes P's ``begin`` answer (raising unless the lease is held): a mover that may run
+    before it was taken (the kernel mover) calls it once its copies are launched, before
+    waiting for them."""
     planned_in: str = ""
     """The mover whose own geometry the load was planned in, the only one that may move
     it ("": the pair's geometry, any mover)."""

@@ -100,7 +100,7 @@ def _kernel_serves(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> str:
 
 def _kernel_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
     assert d.kernel is not None and job.mapped is not None
-    job.posted += d.kernel.move(peer, plan.runs, job.mapped)
+    job.posted += d.kernel.move(peer, plan.runs, job.mapped, meanwhile=job.answer)
 
 
 PROBE_BYTES = 8 << 20
