@@ -85,7 +85,8 @@ def in_rank(case: tuple[int, int, int, str], requests: int, gap_s: float) -> flo
     proc = ctx.Process(target=rank_main, args=(there, case), daemon=True)
     proc.start()
     try:
-        assert here.recv() == "ready"
+        if here.recv() != "ready":
+            raise RuntimeError("the rank process did not start")
         out = []
         for seed in range(requests):
             if gap_s:

@@ -134,7 +134,7 @@ def test_checked_copy_refuses_bad_arguments() -> None:
     off = np.array([0, 8])
     with pytest.raises(TransportError, match="a divisor of 0 B"):
         checked_copy(u8, off, u8, off, 8, 0)
-    with pytest.raises(TransportError, match="2 destination offsets for 1 sources"):
+    with pytest.raises(TransportError, match=r"shape \(2,\), sources \(1,\)"):
         checked_copy(u8, off, u8, off[:1], 8, 8)
     with pytest.raises(TransportError, match="uint8"):
         checked_copy(u8.view(torch.int32), off, u8, off, 8, 8)

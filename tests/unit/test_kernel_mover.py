@@ -16,8 +16,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from kvbridge.connector import kernel_mover
 from kvbridge.connector.copies import by_length
 from kvbridge.connector.device_memory import Span
+from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import LeaseOp, tables_digest
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind, Region
@@ -389,16 +391,20 @@ def _landed(w: World, before, n: int, d_tabs) -> bool:
 def test_the_kernel_copy_runs_while_p_answers_begin_other_movers_wait(
     shm: ShmPool, kernel: bool, monkeypatch
 ) -> None:
-    """The kernel mover reads P's memory in place and asks P nothing, so its copy does not
-    wait for P's answer to ``begin`` (the lease round trip is off the critical path): P,
-    holding its answer, sees D's bytes land. A mover that does ask P (pull here) starts
-    only once P answered: P sees nothing land while it holds the answer."""
+    """The kernel mover reads P's memory in place and asks P nothing, so where its copies
+    run asynchronously (``overlap``: a GPU; set here on the CPU, where the same code runs
+    the copy synchronously) they do not wait for P's answer to ``begin`` (the lease round
+    trip is off the critical path): P, holding its answer, sees D's bytes land. A mover
+    that does ask P (pull here) starts only once P answered: P sees nothing land while
+    it holds the answer."""
     w = World(p_memory=shm)
     seen: list[bool] = []
     try:
-        if not kernel:
-            for c in w.consumers:
+        for c in w.consumers:
+            if not kernel:
                 c.kernel = None
+            elif c.kernel is not None:
+                c.kernel.overlap = True
         before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
         handle, d_tabs = w.request("r1", 45)
         real = w.producer.leases.on_op
@@ -433,6 +439,9 @@ def test_a_kernel_copy_made_before_p_refused_the_lease_fails_the_load(
     blocks reported for recompute), never reports it done."""
     w = World(p_memory=shm, lease_s=0.3 if refusal == "lapsed" else 30.0)
     try:
+        for c in w.consumers:
+            assert c.kernel is not None and not c.kernel.overlap  # host copies: synchronous
+            c.kernel.overlap = True
         before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
         handle, d_tabs = w.request("r1", 45)
         if refusal == "aborted":
@@ -452,3 +461,67 @@ def test_a_kernel_copy_made_before_p_refused_the_lease_fails_the_load(
         assert _landed(w, before, 45, d_tabs)  # the copy ran before P's answer came
     finally:
         w.close()
+
+
+def test_host_kernel_copies_wait_for_p_and_a_failed_copy_still_takes_its_answer(
+    shm: ShmPool, monkeypatch
+) -> None:
+    """On the host the kernel mover's copy is synchronous: it waits for P's "held" (the
+    side channel stays locked until the answer is taken). A copy failing before its
+    launch (here where the copies would overlap P's answer, as on a GPU) still takes
+    P's answer, so its ``fail`` carries the token (P frees the blocks at once) and the
+    next load to that P goes through."""
+    w = World(p_memory=shm)
+    try:
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("r1", 45)
+        seen: list[bool] = []
+        real = w.producer.leases.on_op
+
+        def on_op(msg):
+            if msg.op == "begin":
+                time.sleep(0.2)
+                seen.append(_landed(w, before, 45, d_tabs))
+            return real(msg)
+
+        monkeypatch.setattr(w.producer.leases, "on_op", on_op)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok and out.mover == "kernel" and seen == [False], out.error
+        monkeypatch.setattr(w.producer.leases, "on_op", real)
+
+        def broken(*_):
+            raise TransportError("copy refused")
+
+        monkeypatch.setattr(kernel_mover, "copy_groups", broken)
+        monkeypatch.setattr(w.consumers[0].kernel, "overlap", True)  # as on a GPU
+        handle, d_tabs = w.request("r2", 45)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert not out.ok and "copy refused" in out.error
+        freed = w.producer.freed(wait_for=2)
+        assert {f.request_id: f.reason for f in freed}["r2"] == LeaseState.DONE
+        monkeypatch.undo()
+        load_one(w, "r3", 30)
+    finally:
+        w.close()
+
+
+def test_divisor_is_the_gcd_of_what_runs_can_start_at() -> None:
+    """Llama-style heads (8 × 128 bf16: 256 B a head, the smallest piece a run has):
+    256 with aligned region bases; a base 8 B past alignment brings it to 8."""
+    from benchmarks.plan_bench import bound_all
+    from benchmarks.shapes import llama
+    from kvbridge.plan import Bound, Geometry, Side
+    from kvbridge.spec import Parallel
+
+    spec = llama(2)
+    for p_tp, d_tp in ((1, 1), (1, 2), (2, 1)):
+        p_b = bound_all(spec, Parallel(p_tp), "nhd", 64, 1 << 30)
+        d_b = bound_all(spec, Parallel(d_tp), "hnd", 64, 1 << 31)
+        geom = Geometry(Side(spec, Parallel(p_tp), p_b), Side(spec, Parallel(d_tp), d_b), 0)
+        assert {geom.divisor(src) for src in range(p_tp)} == {256}
+        odd = [Bound(b.layout, tuple(a + 8 for a in b.bases)) for b in p_b]
+        geom = Geometry(Side(spec, Parallel(p_tp), odd), Side(spec, Parallel(d_tp), d_b), 0)
+        assert {geom.divisor(src) for src in range(p_tp)} == {8}
+        assert geom.divisor(p_tp) == 1  # a rank that serves nothing

@@ -61,7 +61,7 @@ class Answer:
     def __init__(self, reply: Callable[[], Message]):
         self._reply: Callable[[], Message] | None = reply
         self._left = 0.0
-        self._error: Exception | None = None
+        self._error: BaseException | None = None
         self.waited = 0.0
         """Seconds spent waiting for the reply."""
 
@@ -74,7 +74,7 @@ class Answer:
             t0 = time.perf_counter()
             try:
                 self._left = leases.begun(job, reply())
-            except Exception as exc:
+            except BaseException as exc:  # kept: no later take may pass unchecked
                 self._error = exc
             self.waited = time.perf_counter() - t0
         if self._error is not None and not quiet:
@@ -214,7 +214,6 @@ class Consumer:
             peer = job.peer = self.peers.get(job.handle, since=job.queued)
             job.lap("handshake")
             plan, begun, answer = self._begin(peer, job)
-            job.move(LoadState.TRANSFER)
             mover, why, left = self._move(peer, plan, job, answer)
             late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
             job.move(LoadState.DONE)
@@ -274,14 +273,16 @@ class Consumer:
         return plan, begun, answer
 
     def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Answer) -> tuple[str, str, float]:
-        """Move ``plan`` once P's ``begin`` answer says the lease is held, or, for the
-        kernel mover (it reads P's memory in place and asks P nothing), while P answers:
-        the copies are launched first and the answer taken before they are waited for.
-        Either way the load counts only if P answered "held" (bytes copied from a lease
-        that lapsed, was aborted or is another D's fail it: ``docs/faults.md``)
-        → (mover, why, lease seconds left at ``begin``)."""
-        overlap = job.planned_in == "kernel"
+        """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where the
+        kernel mover's copies run asynchronously (:attr:`KernelMover.overlap`: on a GPU;
+        it reads P's memory in place and asks P nothing), while P answers: the copies are
+        launched first and the answer taken before they are waited for. Either way the
+        load counts only if P answered "held"; bytes copied under a lease that lapsed,
+        was aborted or another D began fail it (``docs/faults.md``) → (mover, why, lease
+        seconds left at ``begin``)."""
+        overlap = job.planned_in == "kernel" and self.kernel is not None and self.kernel.overlap
         try:
+            job.move(LoadState.TRANSFER)
             if not overlap:
                 answer.take(self.leases, job)
                 job.lap("lease")

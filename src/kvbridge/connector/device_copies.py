@@ -90,12 +90,14 @@ def checked_copy(
     :meth:`~kvbridge.plan.geometry.Geometry.divisor`). The word width and whether runs
     are whole rows follow from ``divisor`` and ``size``: no per-run scan on the host or
     read back from the device. An offset that ``divisor`` does not divide is the caller's
-    bug (undefined bytes), as an unchecked run would be."""
+    bug (undefined bytes), as an unchecked run would be. The choice is per ``divisor``,
+    not per call: a divisor below ``size`` takes word indices where whole rows might
+    have done (torch's way, without Triton), one below 8 narrower words."""
     _check_tensors(dst, src, size)
     if divisor <= 0:
         raise TransportError(f"a divisor of {divisor} B")
-    if d_off.shape != s_off.shape:
-        raise TransportError(f"{d_off.shape[0]} destination offsets for {s_off.shape[0]} sources")
+    if d_off.ndim != 1 or d_off.shape != s_off.shape:
+        raise TransportError(f"destination offsets of shape {d_off.shape}, sources {s_off.shape}")
     if not d_off.shape[0]:
         return
     with _on(stream, dst):

@@ -66,6 +66,10 @@ class KernelMover:
         self.dst = Span(regions)
         self.on = torch_device(self.kind, self.device)
         self.stream = torch.cuda.Stream(device=self.on) if self.on.type == "cuda" else None
+        self.overlap = self.stream is not None
+        """Take P's ``begin`` answer while the copies run (:meth:`move`'s ``meanwhile``):
+        where they run asynchronously (a GPU). Host copies are synchronous, and the side
+        channel to P stays locked until its answer is taken: then it is taken first."""
         self._lock = threading.Lock()
         self._sources: dict[tuple[str, int], _Mapped] = {}
         self._failed: dict[tuple[str, int], tuple[str, TransportError]] = {}

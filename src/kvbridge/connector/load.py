@@ -65,7 +65,8 @@ class Outcome:
     error: str = ""
     stages: dict[str, float] = field(default_factory=dict)
     """Seconds per stage: queue, handshake, plan, lease (what was left to wait for P's
-    ``begin`` reply after planning), post, transfer, verify."""
+    ``begin`` reply after planning; where the kernel mover takes it while its copies run,
+    a part of ``transfer``, not added to it), post, transfer, verify."""
     staged_runs: int = 0
     """Runs moved through the staging area (``descriptors`` counts what was posted:
     the direct runs plus the staged spans)."""
