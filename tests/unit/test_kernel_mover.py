@@ -387,6 +387,24 @@ def _landed(w: World, before, n: int, d_tabs) -> bool:
     return True
 
 
+def hold_begin(w: World, monkeypatch, landed, at_most: float) -> list[bool]:
+    """P holds each ``begin`` answer until ``landed()`` (D's bytes are there) or for
+    ``at_most`` seconds; the list gets, per ``begin``, whether they had landed."""
+    seen: list[bool] = []
+    real = w.producer.leases.on_op
+
+    def on_op(msg):
+        if msg.op == "begin":
+            end = time.monotonic() + at_most
+            while not landed() and time.monotonic() < end:
+                time.sleep(0.005)
+            seen.append(landed())
+        return real(msg)
+
+    monkeypatch.setattr(w.producer.leases, "on_op", on_op)
+    return seen
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_the_kernel_copy_runs_while_p_answers_begin_other_movers_wait(
     shm: ShmPool, kernel: bool, monkeypatch
@@ -398,7 +416,6 @@ def test_the_kernel_copy_runs_while_p_answers_begin_other_movers_wait(
     that does ask P (pull here) starts only once P answered: P sees nothing land while
     it holds the answer."""
     w = World(p_memory=shm)
-    seen: list[bool] = []
     try:
         for c in w.consumers:
             if not kernel:
@@ -407,17 +424,7 @@ def test_the_kernel_copy_runs_while_p_answers_begin_other_movers_wait(
                 c.kernel.overlap = True
         before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
         handle, d_tabs = w.request("r1", 45)
-        real = w.producer.leases.on_op
-
-        def on_op(msg):
-            if msg.op == "begin":  # hold the answer until D's bytes landed (1 s at most)
-                end = time.monotonic() + 1.0
-                while not _landed(w, before, 45, d_tabs) and time.monotonic() < end:
-                    time.sleep(0.005)
-                seen.append(_landed(w, before, 45, d_tabs))
-            return real(msg)
-
-        monkeypatch.setattr(w.producer.leases, "on_op", on_op)
+        seen = hold_begin(w, monkeypatch, lambda: _landed(w, before, 45, d_tabs), 1.0)
         w.consumers[0].load(handle, d_tabs)
         (out,) = w.wait()
         assert out.ok, out.error
@@ -475,20 +482,11 @@ def test_host_kernel_copies_wait_for_p_and_a_failed_copy_still_takes_its_answer(
     try:
         before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
         handle, d_tabs = w.request("r1", 45)
-        seen: list[bool] = []
-        real = w.producer.leases.on_op
-
-        def on_op(msg):
-            if msg.op == "begin":
-                time.sleep(0.2)
-                seen.append(_landed(w, before, 45, d_tabs))
-            return real(msg)
-
-        monkeypatch.setattr(w.producer.leases, "on_op", on_op)
+        seen = hold_begin(w, monkeypatch, lambda: _landed(w, before, 45, d_tabs), 0.2)
         w.consumers[0].load(handle, d_tabs)
         (out,) = w.wait()
         assert out.ok and out.mover == "kernel" and seen == [False], out.error
-        monkeypatch.setattr(w.producer.leases, "on_op", real)
+        monkeypatch.undo()
 
         def broken(*_):
             raise TransportError("copy refused")

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -23,7 +23,7 @@ import numpy as np
 from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
 from kvbridge.connector.kernel_mover import kernel_mover
-from kvbridge.connector.lease_calls import LeaseCalls
+from kvbridge.connector.lease_calls import Answer, LeaseCalls
 from kvbridge.connector.load import (
     NO_TABLES,
     LoadState,
@@ -33,11 +33,10 @@ from kvbridge.connector.load import (
     _Load,
     failed_blocks,
 )
-from kvbridge.connector.movers import Directions, movers, plan_geometry, transfer
+from kvbridge.connector.movers import Directions, early, movers, plan_geometry, transfer
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.pull import POST_RUNS
 from kvbridge.connector.staging import Stager
-from kvbridge.control.messages import Message
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
 from kvbridge.fdtable import reserve_fds
@@ -52,34 +51,6 @@ from kvbridge.transport.base import Transport
 
 log = logging.getLogger(__name__)
 _WAITING = (LoadState.QUEUED, LoadState.HANDSHAKE)
-
-
-class Answer:
-    """P's reply to a load's ``begin``, taken once (:meth:`take`), then kept: the lease
-    seconds left, or the typed error every later :meth:`take` raises again."""
-
-    def __init__(self, reply: Callable[[], Message]):
-        self._reply: Callable[[], Message] | None = reply
-        self._left = 0.0
-        self._error: BaseException | None = None
-        self.waited = 0.0
-        """Seconds spent waiting for the reply."""
-
-    def take(self, leases: LeaseCalls, job: _Load, quiet: bool = False) -> float:
-        """Wait for the reply (the first call), check it (:meth:`LeaseCalls.begun`: the
-        token is kept) → lease seconds left; ``quiet``: raise nothing (the caller is
-        failing already, or takes the answer again later)."""
-        if self._reply is not None:
-            reply, self._reply = self._reply, None
-            t0 = time.perf_counter()
-            try:
-                self._left = leases.begun(job, reply())
-            except BaseException as exc:  # kept: no later take may pass unchecked
-                self._error = exc
-            self.waited = time.perf_counter() - t0
-        if self._error is not None and not quiet:
-            raise self._error
-        return self._left
 
 
 class Consumer:
@@ -260,13 +231,13 @@ class Consumer:
         one asks for it, :func:`plan_geometry`) → (plan, monotonic time begin was sent,
         P's answer still to take)."""
         begun = time.monotonic()
-        answer = Answer(peer.client.send(self.leases.op(job, "begin"), since=job.queued))
+        answer = self.leases.begin(peer, job)
         try:
             h = job.handle
             geometry = plan_geometry(self, peer, job)
             plan = geometry.plan(h.n_tokens, h.block_tables, job.tables, job.cached)
         except BaseException:
-            answer.take(self.leases, job, quiet=True)  # its token goes with "fail"
+            answer.take(quiet=True)  # its token goes with "fail"
             raise
         finally:
             job.lap("plan")
@@ -274,24 +245,24 @@ class Consumer:
 
     def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Answer) -> tuple[str, str, float]:
         """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where the
-        kernel mover's copies run asynchronously (:attr:`KernelMover.overlap`: on a GPU;
-        it reads P's memory in place and asks P nothing), while P answers: the copies are
-        launched first and the answer taken before they are waited for. Either way the
-        load counts only if P answered "held"; bytes copied under a lease that lapsed,
-        was aborted or another D began fail it (``docs/faults.md``) → (mover, why, lease
-        seconds left at ``begin``)."""
-        overlap = job.planned_in == "kernel" and self.kernel is not None and self.kernel.overlap
+        mover moving it runs early (:func:`~kvbridge.connector.movers.early`: the kernel
+        mover on a GPU reads P's memory in place and asks P nothing), while P answers:
+        the mover takes the answer (``job.answer``) once its copies are launched, before
+        it waits for them. Either way the load counts only if P answered "held"; bytes
+        copied under a lease that lapsed, was aborted or another D began fail it
+        (``docs/faults.md``) → (mover, why, lease seconds left at ``begin``)."""
+        overlap = early(self, job)
         try:
             job.move(LoadState.TRANSFER)
-            if not overlap:
-                answer.take(self.leases, job)
-                job.lap("lease")
+            if overlap:
+                job.answer = answer.take
             else:
-                job.answer = lambda: answer.take(self.leases, job)
+                answer.take()
+                job.lap("lease")
             mover, why = transfer(self, peer, plan, job)
         finally:
-            answer.take(self.leases, job, quiet=True)  # whatever happened: P's token
-        left = answer.take(self.leases, job)  # "held", or the load fails here
+            answer.take(quiet=True)  # whatever happened: P's token
+        left = answer.take()  # "held", or the load fails here
         job.lap("transfer")
         if overlap:
             job.stages["lease"] = answer.waited  # inside "transfer", while the copies ran

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 
 from kvbridge.connector.handle import TransferHandle
@@ -54,6 +55,11 @@ class LeaseCalls:
     ) -> LeaseReply:
         client = peer if isinstance(peer, Client) else peer.client
         return checked_reply(job.handle, op, client.call(self.op(job, op), since))
+
+    def begin(self, peer: Peer, job: _Load) -> Answer:
+        """Send ``job``'s ``begin`` (``since`` its queue time); P's answer, to take later
+        (the peer's channel stays locked until it is taken: take it soon)."""
+        return Answer(peer.client.send(self.op(job, "begin"), since=job.queued), self, job)
 
     def begun(self, job: _Load, reply: Message) -> float:
         """P's ``begin`` reply checked, its token kept for the rank's later ops → seconds
@@ -133,6 +139,35 @@ class LeaseCalls:
             with self._turn:
                 self._renewing = None
                 self._turn.notify_all()
+
+
+class Answer:
+    """P's reply to a load's ``begin``, taken once (:meth:`take`), then kept: the lease
+    seconds left, or the typed error every later :meth:`take` raises again."""
+
+    def __init__(self, reply: Callable[[], Message], leases: LeaseCalls, job: _Load):
+        self._reply: Callable[[], Message] | None = reply
+        self._leases, self._job = leases, job
+        self._left = 0.0
+        self._error: BaseException | None = None
+        self.waited = 0.0
+        """Seconds spent waiting for the reply."""
+
+    def take(self, quiet: bool = False) -> float:
+        """Wait for the reply (the first call), check it (:meth:`LeaseCalls.begun`: the
+        token is kept) → lease seconds left; ``quiet``: raise nothing (the caller is
+        failing already, or takes the answer again later)."""
+        if self._reply is not None:
+            reply, self._reply = self._reply, None
+            t0 = time.perf_counter()
+            try:
+                self._left = self._leases.begun(self._job, reply())
+            except BaseException as exc:  # kept: no later take may pass unchecked
+                self._error = exc
+            self.waited = time.perf_counter() - t0
+        if self._error is not None and not quiet:
+            raise self._error
+        return self._left
 
 
 def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseReply:

@@ -37,13 +37,17 @@ class MoverKind:
     does not); ``run(d, peer, plan, job)``: moves it, returning only once every byte
     landed (and leaving what may still land in ``job.live`` / ``job.slot`` when it
     fails); ``plan_in(d, peer, job)``: the geometry the load must be planned in for this
-    mover to move it (None: the pair's, and any mover)."""
+    mover to move it (None: the pair's, and any mover); ``early(d)``: whether, for a
+    load planned in its own geometry, it may start before P answered ``begin`` (it reads
+    P's memory without asking P, and calls ``job.answer`` once its copies are launched,
+    before waiting for them)."""
 
     name: str
     order: int
     serves: Callable[[Consumer, Peer, Plan, _Load], str]
     run: Callable[[Consumer, Peer, Plan, _Load], None]
     plan_in: Callable[[Consumer, Peer, _Load], Geometry | None] | None = None
+    early: Callable[[Consumer], bool] | None = None
 
 
 _MOVERS: Registry[MoverKind] = Registry("mover")
@@ -73,6 +77,13 @@ def plan_geometry(d: Consumer, peer: Peer, job: _Load) -> Geometry:
                 job.planned_in = m.name
                 return geometry
     return peer.geometry
+
+
+def early(d: Consumer, job: _Load) -> bool:
+    """Whether the mover ``job`` was planned for takes P's ``begin`` answer itself, while
+    it moves (:attr:`MoverKind.early`)."""
+    m = next((m for m in d.movers if m.name == job.planned_in), None)
+    return m is not None and m.early is not None and m.early(d)
 
 
 def transfer(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
@@ -229,8 +240,24 @@ def _push_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
     job.slot = None
 
 
-register_mover(MoverKind("kernel", 0, _kernel_serves, _kernel_run, plan_in=_kernel_plan_in))
+def _kernel_early(d: Consumer) -> bool:
+    return d.kernel is not None and d.kernel.overlap
+
+
+register_mover(
+    MoverKind(
+        "kernel", 0, _kernel_serves, _kernel_run, plan_in=_kernel_plan_in, early=_kernel_early
+    )
+)
 register_mover(MoverKind("push", 10, _serves_in(Mode.PUSH), _push_run))
 register_mover(MoverKind("pull", 20, _serves_in(Mode.PULL), _pull_run))
 
-__all__ = ["MoverKind", "direction", "mover_names", "movers", "plan_geometry", "register_mover"]
+__all__ = [
+    "MoverKind",
+    "direction",
+    "early",
+    "mover_names",
+    "movers",
+    "plan_geometry",
+    "register_mover",
+]
