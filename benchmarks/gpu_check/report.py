@@ -1,11 +1,14 @@
 """Rows, targets, the text table and the JSON of a run.
 
 A method's time is the median over requests of the median of its timed transfers (the
-cold one, each request's first, is reported apart). ``×contig``: its time over one
-contiguous WRITE of the same bytes (lower is better); ``vLLM/x``: the vLLM-like path's
-best time (fastest of READ and WRITE over the UCX thread counts) over its time (higher
-is better). ``verified``: bytes compared with the pattern over every transfer, cold ones
-included, and whether any differed.
+cold one, each request's first, is reported apart: ``cold_ms`` the slowest; split into
+``first_pair_ms``, the case's first transfer, on a pair just connected, and
+``first_request_ms``, the median first transfer of the later requests). ``stages_ms``:
+per connector stage (kvbridge's row), the median over timed transfers. ``×contig``: its
+time over one contiguous WRITE of the same bytes (lower is better); ``vLLM/x``: the
+vLLM-like path's best time (fastest of READ and WRITE over the UCX thread counts) over
+its time (higher is better). ``verified``: bytes compared with the pattern over every
+transfer, cold ones included, and whether any differed.
 """
 
 from __future__ import annotations
@@ -29,8 +32,27 @@ def _median_of_requests(samples: list[Sample], key: str) -> float:
     return statistics.median(statistics.median(v) for v in per_req.values())
 
 
+def _stages(samples: list[Sample]) -> dict[str, float]:
+    """Median ms per connector stage over the timed transfers that report stages."""
+    seen: dict[str, list[float]] = {}
+    for s in samples:
+        stages = s.detail.get("stages_ms") if s.rep > 0 else None
+        for k, v in (stages if isinstance(stages, dict) else {}).items():
+            seen.setdefault(k, []).append(float(v))
+    return {k: statistics.median(v) for k, v in seen.items()}
+
+
+def _cold(samples: list[Sample]) -> tuple[float | None, float | None]:
+    """(the first request's cold transfer, median of the later requests' cold ones), ms."""
+    cold = sorted((s.request, s.seconds) for s in samples if s.rep == 0)
+    first = cold[0][1] * 1e3 if cold else None
+    later = [sec * 1e3 for _, sec in cold[1:]]
+    return first, statistics.median(later) if later else None
+
+
 def _row(method: str, variant: str, samples: list[Sample]) -> dict[str, Any]:
     cold = [s.seconds for s in samples if s.rep == 0]
+    first_pair, first_request = _cold(samples)
     secs = _median_of_requests(samples, "seconds")
     nbytes = _median_of_requests(samples, "nbytes")
     detail = samples[-1].detail
@@ -39,6 +61,9 @@ def _row(method: str, variant: str, samples: list[Sample]) -> dict[str, Any]:
         "variant": variant,
         "ms": secs * 1e3,
         "cold_ms": max(cold) * 1e3 if cold else None,
+        "first_pair_ms": first_pair,
+        "first_request_ms": first_request,
+        "stages_ms": _stages(samples),
         "gbps": nbytes / secs / 1e9 if secs > 0 else None,
         "nbytes": int(nbytes),
         "descriptors": int(_median_of_requests(samples, "descriptors")),
@@ -167,6 +192,7 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
             continue
         table_rows = rows(res)
         lines += [_line(label, r) for r in table_rows]
+        lines += _connector_lines(table_rows)
         for t in targets(res, table_rows):
             met = {True: "MET", False: "MISSED", None: "—"}[t["met"]]
             lines.append(
@@ -180,6 +206,20 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
                 lines.append(f"{'':<44}   {what}: {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _connector_lines(table_rows: list[dict[str, Any]]) -> list[str]:
+    """Under a case: kvbridge's stage medians and its cold loads, split."""
+    k = next((r for r in table_rows if r["method"] == "kvbridge" and r["ms"] is not None), None)
+    if k is None:
+        return []
+    pad = f"{'':<44}   "
+    stages = " · ".join(f"{name} {ms:.3f}" for name, ms in k["stages_ms"].items())
+    cold = (
+        f"first on the pair {_fmt(k['first_pair_ms'], '.2f')} ms · first of a later request "
+        f"{_fmt(k['first_request_ms'], '.2f')} ms"
+    )
+    return [f"{pad}kvbridge stages, median ms: {stages or '—'}", f"{pad}kvbridge cold: {cold}"]
 
 
 def _ordering_line(o: dict[str, Any]) -> str:

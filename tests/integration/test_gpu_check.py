@@ -85,6 +85,12 @@ def test_the_table_was_printed(check: tuple[dict, str]) -> None:
     for case in report["cases"]:
         assert text.count(case["label"]) >= len(METHODS), case["label"]
     assert "target kernel ≤ 1.5× contig copy + 50 µs" in text
+    assert text.count("kvbridge stages, median ms: queue") == len(report["cases"])
+    assert text.count("kvbridge cold: first on the pair") == len(report["cases"])
+    for case in report["cases"]:
+        k = next(r for r in case["rows"] if r["method"] == "kvbridge")
+        assert {"queue", "plan", "lease", "transfer"} <= k["stages_ms"].keys(), k
+        assert k["first_pair_ms"] > 0 and k["first_request_ms"] > 0, k
     assert "target kvbridge load ≥ 80× faster than vLLM-like (8k)" in text
 
 
