@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from benchmarks.gpu_check import facts, ordering
 from benchmarks.gpu_check import messages as m
@@ -223,10 +224,15 @@ class CaseRun:
             detail,
         )
 
-    def measure(self, method: str, variant: str, go: Go, staging: bool = False) -> None:
+    def measure(
+        self, method: str, variant: str, go: Go, staging: bool = False, *also: tuple[str, Go]
+    ) -> None:
         """Every request: a cold transfer, then up to ``reps`` timed ones (fewer once they
         took ``rep_budget_s``); no more requests once the method took ``method_budget_s``
-        with one timed transfer at least (a READ of GPU memory crawls over TCP)."""
+        with one timed transfer at least (a READ of GPU memory crawls over TCP). ``also``:
+        other methods (name, go) measured in turn with this one, transfer by transfer, so
+        that none gains from coming later (pages mapped, caches warm)."""
+        goes = [(method, go), *also]
         total, timed = 0.0, 0
         try:
             for req in self.reqs:
@@ -234,11 +240,14 @@ class CaseRun:
                 for rep in range(1 + self.case.reps):
                     if timed and total > self.opts.method_budget_s:
                         return
-                    self.check_budget()
-                    s = self.transfer(method, variant, req, rep, go, staging)
-                    self.res.samples.append(s)
-                    total, timed = total + s.seconds, timed + (rep > 0)
-                    spent += s.seconds if rep else 0.0
+                    for name, each in goes:
+                        self.check_budget()
+                        s = self.transfer(name, variant, req, rep, each, staging)
+                        self.res.samples.append(s)
+                        total, timed = total + s.seconds, timed + (rep > 0)
+                        spent += s.seconds if rep else 0.0
+                        if s.bad:
+                            break
                     if s.bad or (rep and spent > self.opts.rep_budget_s):
                         break
         except RankError as e:
@@ -261,17 +270,19 @@ class CaseRun:
 
     # --- the phases ---------------------------------------------------------------------
 
-    def go_load(self, req: Request, seed: int) -> tuple[float, list[m.Timing]]:
+    def go_load(self, req: Request, seed: int, inline: bool = True) -> tuple[float, list[m.Timing]]:
         rid = f"{self.tag}-r{req.index}-{seed}"
         assert self.producer is not None
         handle = self.producer.prefill_done(rid, req.lists("P"), req.tokens)
         wire = handle.to_bytes()
-        ts = self.every("D", m.Load(wire, req, self.opts.call_timeout_s))
+        ts = self.every("D", m.Load(wire, req, self.opts.call_timeout_s, inline))
         self.producer.freed()  # drained: P may reuse them (the check does not)
         return max(t.end - t.start for t in ts), ts
 
     def connector(self) -> None:
-        self.measure("kvbridge", self.case.mode, self.go_load)
+        # in turn with the same loads handed to a worker whole (the queue hand-off)
+        queued = partial(self.go_load, inline=False)
+        self.measure("kvbridge", self.case.mode, self.go_load, False, ("queued", queued))
         facts.check_mover(self)
         if self.want_ordering:
             self.guarded("ordering", lambda: ordering.run(self))

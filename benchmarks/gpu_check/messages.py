@@ -129,6 +129,8 @@ class Load:
     handle: bytes
     request: Request
     timeout_s: float
+    inline: bool = True
+    """Let the consumer start the load on this thread (False: a worker does it all)."""
 
 
 @dataclass(frozen=True, slots=True)

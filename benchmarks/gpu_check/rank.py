@@ -168,6 +168,7 @@ def load(st: RankState, cmd: m.Load) -> m.Timing:
     (queue, then the load: not this rank's polling)."""
     assert st.consumer is not None
     handle = TransferHandle.from_bytes(cmd.handle)
+    st.consumer.inline = cmd.inline
     st.consumer.load(handle, cmd.request.lists("D"), 0)
     end = time.monotonic() + cmd.timeout_s
     while time.monotonic() < end:

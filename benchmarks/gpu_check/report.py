@@ -19,8 +19,16 @@ from typing import Any
 
 from benchmarks.gpu_check.driver import CaseResult, Sample
 
-ORDER = ("kvbridge", "kernel", "copy", "direct", "staged", "contig", "vllm")
-NAMES = {"contig": "contig WRITE", "vllm": "vllm-like", "copy": "contig copy"}
+ORDER = ("kvbridge", "queued", "kernel", "copy", "direct", "staged", "contig", "vllm")
+NAMES = {
+    "contig": "contig WRITE",
+    "vllm": "vllm-like",
+    "copy": "contig copy",
+    "queued": "kvb. queued",
+}
+CONNECTOR = ("kvbridge", "queued")
+"""The connector's rows: its loads started on the caller's thread, and handed whole to a
+worker (``Consumer.inline`` off)."""
 MIB = 1 << 20
 
 
@@ -168,7 +176,7 @@ def _line(label: str, r: dict[str, Any]) -> str:
     bad = r["mismatches"]
     check = f"{r['verified_bytes'] / MIB:9.1f} MiB " + ("ok" if not bad else f"BAD {bad}")
     note = r["variant"]
-    if r["method"] == "kvbridge":
+    if r["method"] in CONNECTOR:
         note = f"{r['detail'].get('mover')}: {r['detail'].get('reason')}"
     ratios = f"{_fmt(r.get('x_contig'), '8.2f')} {_fmt(r.get('vllm_over'), '8.1f')}"
     times = f"{_fmt(r['ms'], '9.3f')} {_fmt(r.get('cold_ms'), '9.2f')}"
@@ -209,17 +217,21 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
 
 
 def _connector_lines(table_rows: list[dict[str, Any]]) -> list[str]:
-    """Under a case: kvbridge's stage medians and its cold loads, split."""
-    k = next((r for r in table_rows if r["method"] == "kvbridge" and r["ms"] is not None), None)
-    if k is None:
-        return []
-    pad = f"{'':<44}   "
-    stages = " · ".join(f"{name} {ms:.3f}" for name, ms in k["stages_ms"].items())
-    cold = (
-        f"first on the pair {_fmt(k['first_pair_ms'], '.2f')} ms · first of a later request "
-        f"{_fmt(k['first_request_ms'], '.2f')} ms"
-    )
-    return [f"{pad}kvbridge stages, median ms: {stages or '—'}", f"{pad}kvbridge cold: {cold}"]
+    """Under a case: kvbridge's stage medians (started on the caller's thread, and
+    queued) and its cold loads, split."""
+    pad, out = f"{'':<44}   ", []
+    for r in table_rows:
+        if r["method"] not in CONNECTOR or r["ms"] is None:
+            continue
+        who = "kvbridge" if r["method"] == "kvbridge" else "kvbridge queued"
+        stages = " · ".join(f"{name} {ms:.3f}" for name, ms in r["stages_ms"].items())
+        out.append(f"{pad}{who} stages, median ms: {stages or '—'}")
+        if r["method"] == "kvbridge":
+            out.append(
+                f"{pad}kvbridge cold: first on the pair {_fmt(r['first_pair_ms'], '.2f')} ms · "
+                f"first of a later request {_fmt(r['first_request_ms'], '.2f')} ms"
+            )
+    return out
 
 
 def _ordering_line(o: dict[str, Any]) -> str:

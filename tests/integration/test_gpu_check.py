@@ -27,7 +27,7 @@ from benchmarks.gpu_check.driver import CaseResult, Sample
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(290)]
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = {"kvbridge", "kernel", "copy", "direct", "staged", "contig", "vllm"}
+METHODS = {"kvbridge", "queued", "kernel", "copy", "direct", "staged", "contig", "vllm"}
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,13 @@ def test_the_table_was_printed(check: tuple[dict, str]) -> None:
     assert text.count("kvbridge cold: first on the pair") == len(report["cases"])
     for case in report["cases"]:
         k = next(r for r in case["rows"] if r["method"] == "kvbridge")
-        assert {"queue", "plan", "lease", "transfer"} <= k["stages_ms"].keys(), k
+        # warm loads started on the rank's thread; the same loads queued whole, in turn
+        assert {"queue", "plan", "handoff", "lease", "transfer"} <= k["stages_ms"].keys(), k
         assert k["first_pair_ms"] > 0 and k["first_request_ms"] > 0, k
+        q = next(r for r in case["rows"] if r["method"] == "queued")
+        assert q["detail"]["mover"] == "kernel" and q["ms"] > 0, q
+        assert "handoff" not in q["stages_ms"] and q["stages_ms"]["queue"] > 0, q
+    assert text.count("kvbridge queued stages, median ms: queue") == len(report["cases"])
     assert "target kvbridge load ≥ 80× faster than vLLM-like (8k)" in text
 
 

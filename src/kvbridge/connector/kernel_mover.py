@@ -116,6 +116,33 @@ class KernelMover:
                 del self._geometries[next(iter(self._geometries))]
         return over, ""
 
+    def ready(self, peer: Peer) -> bool:
+        """Whether :meth:`geometry` would answer at once: nothing to map or make (every P
+        rank mapped at this epoch or known unmappable, the geometry made over them), or
+        this mover cannot serve ``peer`` anyway."""
+        sources = sorted(peer.geometry.links)
+        for src in sources:
+            info = peer.ranks.get(src)
+            if info is None or not info.shares or info.node != node_id():
+                return True
+            if info.memory_kind() is not self.kind:
+                return True
+        if peer.remake is None:
+            return True
+        with self._lock:
+            made = []
+            for src in sources:
+                key = (peer.engine_id, src)
+                failed = self._failed.get(key)
+                if failed is not None and failed[0] == peer.epoch:
+                    return True
+                known = self._sources.get(key)
+                if known is None or known.epoch != peer.epoch:
+                    return False
+                made.append(known.made)
+            geometry = self._geometries.get(peer.engine_id)
+            return geometry is not None and geometry[0] == tuple(made)
+
     def move(
         self,
         peer: Peer,
@@ -124,17 +151,22 @@ class KernelMover:
         meanwhile: Callable[[], object] | None = None,
     ) -> int:
         """Copy every run of ``runs`` (per P rank; planned in ``over``, from
-        :meth:`geometry`) from P's mapped memory; the number of copy calls. P's memory
-        mapped again since is a :class:`TransportError` before any byte moves. Every run is
-        bounds-checked once (:func:`copy_groups`); the copies scan nothing again.
-        ``meanwhile`` runs once the copies are launched (on a GPU: while they run), before
-        they are waited for. Returns (or raises) only once every copy it started has
-        ended."""
-        calls, held = 0, []
+        :meth:`geometry`) from P's mapped memory; the number of copy calls: :meth:`launch`,
+        then :meth:`Launched.finish` with ``meanwhile``."""
+        return self.launch(peer, runs, over).finish(meanwhile)
+
+    def launch(self, peer: Peer, runs: dict[int, Runs], over: Over) -> Launched:
+        """Start copying every run of ``runs`` (asynchronous on a GPU; on the host the
+        copies end here): what ends them (:meth:`Launched.finish`, to be called exactly
+        once). P's memory mapped again since ``over`` was made is a
+        :class:`TransportError` before any byte moves. Every run is bounds-checked once
+        (:func:`copy_groups`); the copies scan nothing again. Raises only once every copy
+        it started has ended."""
+        out = Launched(self)
         try:
             for src, r in runs.items():
-                held.append(self._acquire(peer, src))
-                span = held[-1].span
+                out.held.append(self._acquire(peer, src))
+                span = out.held[-1].span
                 if span.bases != over.bases.get(src):
                     raise TransportError(
                         f"P rank {src}'s memory was mapped again since this load was "
@@ -145,17 +177,11 @@ class KernelMover:
                     checked_copy(
                         self.dst.tensor, d, span.tensor, s, size, divisor, stream=self.stream
                     )
-                    calls += 1
-            if meanwhile is not None:
-                meanwhile()
-        finally:
-            try:
-                if self.stream is not None:
-                    self.stream.synchronize()
-            finally:
-                for m in held:
-                    self._release(m)
-        return calls
+                    out.calls += 1
+        except BaseException:
+            out.finish()
+            raise
+        return out
 
     def _acquire(self, peer: Peer, src: int) -> _Mapped:
         """P rank ``src``'s regions mapped here (once per P epoch), marked in use; the
@@ -216,6 +242,37 @@ class KernelMover:
             m.opened.close()
 
 
+@dataclass(slots=True)
+class Launched:
+    """Copies :meth:`KernelMover.launch` started: the mappings they read held until
+    :meth:`finish` ended them."""
+
+    mover: KernelMover
+    held: list[_Mapped] = field(default_factory=list)
+    calls: int = 0
+    ended: bool = False
+
+    def finish(self, meanwhile: Callable[[], object] | None = None) -> int:
+        """Run ``meanwhile`` (while the copies run, on a GPU), then wait for the copies →
+        the number of copy calls. Returns (or raises, ``meanwhile``'s error first) only
+        once every copy ended and the mappings are released; a second call does nothing
+        more."""
+        if self.ended:
+            return self.calls
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            self.ended = True
+            try:
+                if self.mover.stream is not None:
+                    self.mover.stream.synchronize()
+            finally:
+                for m in self.held:
+                    self.mover._release(m)
+        return self.calls
+
+
 def copy_groups(
     src: Span, dst: Span, r: Runs, what: str
 ) -> list[tuple[np.ndarray, np.ndarray, int]]:
@@ -240,4 +297,4 @@ def kernel_mover(regions: list[Region]) -> KernelMover | None:
         return None
 
 
-__all__ = ["KernelMover", "Over", "copy_groups", "kernel_mover"]
+__all__ = ["KernelMover", "Launched", "Over", "copy_groups", "kernel_mover"]

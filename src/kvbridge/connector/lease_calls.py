@@ -61,6 +61,28 @@ class LeaseCalls:
         (the peer's channel stays locked until it is taken: take it soon)."""
         return Answer(peer.client.send(self.op(job, "begin"), since=job.queued), self, job)
 
+    def try_begin(self, peer: Peer, job: _Load) -> Answer | None:
+        """:meth:`begin` over the peer's ``fast`` channel, from a thread that must not
+        wait (the engine's: :meth:`Consumer.load`'s inline start): None at once, nothing
+        sent, where it would wait (a token-less renew of ``job`` in flight, the channel
+        busy) or could not send. ``job.peer`` is set from here on (no renew starts)."""
+        assert peer.fast is not None
+        with self._turn:
+            if self._renewing is job:
+                return None
+            job.peer = peer
+        (engine, epoch, rank, world), h = self.who, job.handle
+        op = LeaseOp("begin", h.request_id, h.lease_id, job.digest, engine, rank, world, epoch, "")
+        try:
+            reply = peer.fast.try_send(op)
+        except KVBridgeError:  # the queued load meets it again, typed
+            reply = None
+        if reply is None:
+            with self._turn:
+                job.peer = None
+            return None
+        return Answer(reply, self, job)
+
     def begun(self, job: _Load, reply: Message) -> float:
         """P's ``begin`` reply checked, its token kept for the rank's later ops → seconds
         the lease has left."""

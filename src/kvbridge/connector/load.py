@@ -16,7 +16,7 @@ from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
 
 if TYPE_CHECKING:
-    from kvbridge.connector.kernel_mover import Over
+    from kvbridge.connector.kernel_mover import Launched, Over
 
 
 class Policy(enum.StrEnum):
@@ -66,7 +66,10 @@ class Outcome:
     stages: dict[str, float] = field(default_factory=dict)
     """Seconds per stage: queue, handshake, plan, lease (what was left to wait for P's
     ``begin`` reply after planning; where the kernel mover takes it while its copies run,
-    a part of ``transfer``, not added to it), post, transfer, verify."""
+    a part of ``transfer``, not added to it), post, transfer, verify. A load started on
+    the engine's thread (:meth:`Consumer.load`, ``inline``) has ``queue`` ≈ 0, ``launch``
+    (the kernel mover's copies started there) and ``handoff`` (until a worker took it
+    over, while P answered and the copies ran)."""
     staged_runs: int = 0
     """Runs moved through the staging area (``descriptors`` counts what was posted:
     the direct runs plus the staged spans)."""
@@ -121,6 +124,11 @@ class _Load:
     """Takes P's ``begin`` answer (raising unless the lease is held): a mover that may run
     before it was taken (the kernel mover) calls it once its copies are launched, before
     waiting for them."""
+    launched: Launched | None = None
+    """Kernel copies started on the engine's thread (:meth:`Consumer.load`'s inline
+    start), ended by the mover's run in a worker (or by the failure path)."""
+    launched_by: tuple[str, str] | None = None
+    """(mover, why) of a load an early mover started on the engine's thread."""
     planned_in: str = ""
     """The mover whose own geometry the load was planned in, the only one that may move
     it ("": the pair's geometry, any mover)."""

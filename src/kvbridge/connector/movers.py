@@ -41,7 +41,11 @@ class MoverKind:
     mover to move it (None: the pair's, and any mover); ``early(d)``: whether, for a
     load planned in its own geometry, it may start before P answered ``begin`` (it reads
     P's memory without asking P, and calls ``job.answer`` once its copies are launched,
-    before waiting for them)."""
+    before waiting for them); ``ready(d, peer)``: whether ``plan_in`` would answer at
+    once (needed for a load to start on the engine's thread, :meth:`Consumer.load`; a
+    mover with ``plan_in`` and no ``ready`` never lets one); ``launch(d, peer, plan,
+    job)``: an early mover's start on the engine's thread, without waiting (``run`` ends
+    it, from a worker)."""
 
     name: str
     order: int
@@ -49,6 +53,8 @@ class MoverKind:
     run: Callable[[Consumer, Peer, Plan, _Load], None]
     plan_in: Callable[[Consumer, Peer, _Load], Geometry | None] | None = None
     early: Callable[[Consumer], bool] | None = None
+    ready: Callable[[Consumer, Peer], bool] | None = None
+    launch: Callable[[Consumer, Peer, Plan, _Load], None] | None = None
 
 
 _MOVERS: Registry[MoverKind] = Registry("mover")
@@ -80,6 +86,26 @@ def plan_geometry(d: Consumer, peer: Peer, job: _Load) -> Geometry:
     return peer.geometry
 
 
+def plan_ready(d: Consumer, peer: Peer) -> bool:
+    """Whether :func:`plan_geometry` would answer at once for ``peer`` (no mapping or
+    geometry to make first)."""
+    return all(m.plan_in is None or (m.ready is not None and m.ready(d, peer)) for m in d.movers)
+
+
+def launch_early(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> bool:
+    """Where the mover ``job`` was planned for is early and serves it, start it now
+    (:attr:`MoverKind.launch`): ``job.launched_by`` names it and why → whether it did."""
+    m = next((m for m in d.movers if m.name == job.planned_in), None)
+    if m is None or m.launch is None or m.early is None or not m.early(d):
+        return False
+    why = m.serves(d, peer, plan, job)
+    if not why:
+        return False
+    m.launch(d, peer, plan, job)
+    job.launched_by = (m.name, why)
+    return True
+
+
 def early(d: Consumer, job: _Load) -> bool:
     """Whether the mover ``job`` was planned for takes P's ``begin`` answer itself, while
     it moves (:attr:`MoverKind.early`)."""
@@ -89,6 +115,10 @@ def early(d: Consumer, job: _Load) -> bool:
 
 def transfer(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
     """Move ``plan``'s runs with the first mover that serves this load: ``(mover, why)``."""
+    if job.launched_by is not None:  # started on the engine's thread: its run ends it
+        name, why = job.launched_by
+        _MOVERS.get(name).run(d, peer, plan, job)
+        return name, why
     for m in d.movers:
         if job.planned_in in ("", m.name):
             why = m.serves(d, peer, plan, job)
@@ -112,7 +142,19 @@ def _kernel_serves(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> str:
 
 def _kernel_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
     assert d.kernel is not None and job.mapped is not None
-    job.posted += d.kernel.move(peer, plan.runs, job.mapped, meanwhile=job.answer)
+    if job.launched is not None:  # launched on the engine's thread (_kernel_launch)
+        job.posted += job.launched.finish(job.answer)
+    else:
+        job.posted += d.kernel.move(peer, plan.runs, job.mapped, meanwhile=job.answer)
+
+
+def _kernel_launch(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
+    assert d.kernel is not None and job.mapped is not None
+    job.launched = d.kernel.launch(peer, plan.runs, job.mapped)
+
+
+def _kernel_ready(d: Consumer, peer: Peer) -> bool:
+    return d.kernel is None or d.kernel.ready(peer)
 
 
 PROBE_BYTES = 8 << 20
@@ -249,11 +291,11 @@ def _kernel_early(d: Consumer) -> bool:
     return d.kernel is not None and d.kernel.overlap
 
 
-register_mover(
-    MoverKind(
-        "kernel", 0, _kernel_serves, _kernel_run, plan_in=_kernel_plan_in, early=_kernel_early
-    )
-)
+KERNEL = MoverKind(
+    "kernel", 0, _kernel_serves, _kernel_run, plan_in=_kernel_plan_in,
+    early=_kernel_early, ready=_kernel_ready, launch=_kernel_launch,
+)  # fmt: skip
+register_mover(KERNEL)
 register_mover(MoverKind("push", 10, _serves_in(Mode.PUSH), _push_run))
 register_mover(MoverKind("pull", 20, _serves_in(Mode.PULL), _pull_run))
 
@@ -261,8 +303,10 @@ __all__ = [
     "MoverKind",
     "direction",
     "early",
+    "launch_early",
     "mover_names",
     "movers",
     "plan_geometry",
+    "plan_ready",
     "register_mover",
 ]

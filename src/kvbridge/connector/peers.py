@@ -60,6 +60,17 @@ class Peer:
     """The pair's geometry over other region bases (per P rank, and D's): the kernel
     mover plans in offsets of the memory it mapped."""
 
+    fast: Client | None = None
+    """A second channel to P for ``begin`` sent from the engine's thread
+    (:meth:`LeaseCalls.try_begin`): only ever taken without waiting, so a load's inline
+    start never waits for, nor makes a worker wait behind, another call in flight.
+    Made with the peer (it connects at its first call)."""
+
+    def __post_init__(self) -> None:
+        if self.fast is None:
+            c = self.client
+            self.fast = Client(c.endpoint, c.secret, c.timeout_ms / 1000, c.keys, c.server)
+
     def rank_client(self, rank: int) -> Client:
         """Side channel of one P rank (push requests)."""
         info = self.ranks.get(rank)
@@ -113,6 +124,17 @@ class PeerCache:
 
     def __len__(self) -> int:
         return len(self._peers)
+
+    def ready(self, handle: TransferHandle) -> Peer | None:
+        """:meth:`get` where it needs no handshake (the peer is cached, same epoch), else
+        None at once."""
+        with self._lock:
+            peer = self._peers.get(handle.engine_id)
+            if peer is None or peer.epoch != handle.epoch:
+                return None
+            self._peers[handle.engine_id] = self._peers.pop(handle.engine_id)
+            peer.users += 1
+            return peer
 
     def get(self, handle: TransferHandle, since: float | None = None) -> Peer:
         """The peer of ``handle`` (handshakes if new or if P restarted: new epoch),
@@ -276,6 +298,8 @@ class PeerCache:
         for name in set(peer.agents.values()) - kept:
             self.transport.remove_peer(name)
         peer.client.close()
+        if peer.fast is not None:
+            peer.fast.close()
         for c in peer.clients.values():
             c.close()
 

@@ -232,6 +232,19 @@ class Client:
             )
         asked = time.monotonic() if since is None else since
         self._lock.acquire()
+        return self._send_locked(frame, asked)
+
+    def try_send(self, msg: Message) -> Callable[[], Message] | None:
+        """:meth:`send` if no other call is in flight on this client, else None at once
+        (nothing sent): for a caller that must not wait, such as an engine's thread."""
+        frame = seal(msg, self.secret)
+        if len(frame) > MAX_FRAME or not self._lock.acquire(blocking=False):
+            return None
+        return self._send_locked(frame, time.monotonic())
+
+    def _send_locked(self, frame: bytes, asked: float) -> Callable[[], Message]:
+        """Send ``frame`` under the lock the caller acquired; released by the reply (or
+        here, if sending failed)."""
         try:
             if self._timed_out_at >= asked:
                 raise TransportError(
