@@ -17,12 +17,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
+from kvbridge.connector.inline import Started, start, taken_over
 from kvbridge.connector.kernel_mover import kernel_mover
 from kvbridge.connector.lease_calls import Answer, LeaseCalls
 from kvbridge.connector.load import (
@@ -34,15 +34,7 @@ from kvbridge.connector.load import (
     _Load,
     failed_blocks,
 )
-from kvbridge.connector.movers import (
-    Directions,
-    early,
-    launch_early,
-    movers,
-    plan_geometry,
-    plan_ready,
-    transfer,
-)
+from kvbridge.connector.movers import Directions, early, movers, plan_geometry, transfer
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.connector.pull import POST_RUNS
 from kvbridge.connector.staging import Stager
@@ -62,20 +54,6 @@ log = logging.getLogger(__name__)
 _WAITING = (LoadState.QUEUED, LoadState.HANDSHAKE)
 
 
-@dataclass(frozen=True, slots=True)
-class _Started:
-    """What a load's start on the caller's thread did (:meth:`Consumer._start`): the
-    peer (in use), the plan (None: planning failed with ``error``), when ``begin`` was
-    sent, P's answer to take, and the load's start (``perf_counter``)."""
-
-    peer: Peer
-    plan: Plan | None
-    begun: float
-    answer: Answer
-    error: Exception | None
-    t0: float
-
-
 class Consumer:
     post_runs = POST_RUNS
     """Runs per posted READ request (the deadline is checked between requests)."""
@@ -84,6 +62,12 @@ class Consumer:
     ``begin`` is done without asking P again (:mod:`kvbridge.control.lease`)."""
     require_prompt = False
     """Refuse a load without ``prompt``, or of a handle whose P named no prompt."""
+    inline = True
+    """Start a load on the caller's thread where nothing there waits (P known, no
+    handshake, mapping or geometry to make, the peer's fast channel free): ``begin`` sent,
+    the plan made and, on a GPU, the kernel mover's copies launched before :meth:`load`
+    returns; a worker ends it. No queue hand-off before the first byte moves
+    (``docs/performance.md``). False: a worker does it all."""
 
     def __init__(
         self,
@@ -107,7 +91,6 @@ class Consumer:
         memory: MemKind = MemKind.HOST,
         device: int = 0,
         kernel: bool = True,
-        inline: bool = True,
     ):
         """``model_id``: what this D serves; a P serving another id is refused.
         ``pad_blocks``: the engine tolerates writes to the slots of a request's partial
@@ -120,14 +103,8 @@ class Consumer:
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
         ``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``).
         ``kernel``: copy with one kernel from P ranks of this node that share their memory
-        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says.
-        ``inline``: start a load on the caller's thread where nothing there waits (P known,
-        no handshake, mapping or geometry to make, a free channel for ``begin``): ``begin``
-        sent, the plan made and, on a GPU, the kernel mover's copies launched before
-        :meth:`load` returns; a worker ends it. No queue hand-off before the first byte
-        moves (``docs/performance.md``)."""
+        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
-        self.inline = inline
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
         regions = regions_at(bases, layout.regions, memory, device)
@@ -191,7 +168,7 @@ class Consumer:
             if handle.request_id in self._loads:
                 raise KVBridgeError(f"request {handle.request_id!r} is already loading")
             self._loads[handle.request_id] = job
-        self._pool.submit(self._run, job, self._start(job) if self.inline else None)
+        self._pool.submit(self._run, job, start(self, job) if self.inline else None)
 
     def release(self, handle: TransferHandle) -> None:
         """Tell P this rank needs none of ``handle``'s blocks (D computed or cached them
@@ -207,36 +184,7 @@ class Consumer:
         with self._lock:
             return len(self._loads)
 
-    def _start(self, job: _Load) -> _Started | None:
-        """The load's start on the caller's thread, where nothing waits: ``begin`` sent
-        over the peer's fast channel, the plan made, an early mover launched (the kernel
-        mover on a GPU); None (nothing done) where something would wait. An error after
-        ``begin`` went out is kept for the worker, which takes P's answer first."""
-        peer = self.peers.ready(job.handle)
-        if peer is None:
-            return None
-        begun, answer = time.monotonic(), None
-        try:
-            if plan_ready(self, peer):
-                answer = self.leases.try_begin(peer, job)
-        except Exception:  # never the caller's: the worker starts the load instead
-            log.exception("starting %s on the caller's thread failed", job.handle.request_id)
-        if answer is None:
-            self.peers.done(peer)
-            return None
-        job.lap("queue")
-        t0 = job.mark  # the load's seconds, as a worker's: from the end of "queue"
-        job.move(LoadState.HANDSHAKE)
-        job.lap("handshake")
-        try:
-            plan = self._plan(peer, job)
-            if launch_early(self, peer, plan, job):
-                job.lap("launch")
-        except Exception as e:  # the worker reports it, after P's answer
-            return _Started(peer, None, begun, answer, e, t0)
-        return _Started(peer, plan, begun, answer, None, t0)
-
-    def _run(self, job: _Load, started: _Started | None = None) -> None:
+    def _run(self, job: _Load, started: Started | None = None) -> None:
         t0 = time.perf_counter() if started is None else started.t0
         try:
             if started is None:
@@ -246,13 +194,7 @@ class Consumer:
                 job.lap("handshake")
                 plan, begun, answer = self._begin(peer, job)
             else:
-                job.lap("handoff")
-                peer, begun, answer = started.peer, started.begun, started.answer
-                if started.plan is None:
-                    answer.take(quiet=True)  # its token goes with "fail"
-                    assert started.error is not None
-                    raise started.error
-                plan = started.plan
+                peer, plan, begun, answer = taken_over(job, started)
             mover, why, left = self._move(peer, plan, job, answer)
             late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
             job.move(LoadState.DONE)
@@ -306,13 +248,13 @@ class Consumer:
         begun = time.monotonic()
         answer = self.leases.begin(peer, job)
         try:
-            plan = self._plan(peer, job)
+            plan = self.plan(peer, job)
         except BaseException:
             answer.take(quiet=True)  # its token goes with "fail"
             raise
         return plan, begun, answer
 
-    def _plan(self, peer: Peer, job: _Load) -> Plan:
+    def plan(self, peer: Peer, job: _Load) -> Plan:
         """``job`` planned (in a mover's own geometry where one asks for it)."""
         try:
             h = job.handle
