@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -225,35 +225,42 @@ class CaseRun:
         )
 
     def measure(
-        self, method: str, variant: str, go: Go, staging: bool = False, *also: tuple[str, Go]
+        self,
+        method: str,
+        variant: str,
+        go: Go,
+        staging: bool = False,
+        also: Sequence[tuple[str, Go]] = (),
     ) -> None:
         """Every request: a cold transfer, then up to ``reps`` timed ones (fewer once they
         took ``rep_budget_s``); no more requests once the method took ``method_budget_s``
         with one timed transfer at least (a READ of GPU memory crawls over TCP). ``also``:
-        other methods (name, go) measured in turn with this one, transfer by transfer, so
-        that none gains from coming later (pages mapped, caches warm)."""
+        other methods (name, go) measured with this one, transfer by transfer, the order
+        turning at each transfer so that none always comes later (pages mapped, caches
+        warm); the budgets are per method (the slowest decides)."""
         goes = [(method, go), *also]
-        total, timed = 0.0, 0
+        n = len(goes)
+        total, timed, name = 0.0, 0, method
         try:
             for req in self.reqs:
                 spent = 0.0
                 for rep in range(1 + self.case.reps):
-                    if timed and total > self.opts.method_budget_s:
+                    if timed and total > self.opts.method_budget_s * n:
                         return
-                    for name, each in goes:
+                    bad = False
+                    for name, each in goes[rep % n :] + goes[: rep % n]:
                         self.check_budget()
                         s = self.transfer(name, variant, req, rep, each, staging)
                         self.res.samples.append(s)
                         total, timed = total + s.seconds, timed + (rep > 0)
                         spent += s.seconds if rep else 0.0
-                        if s.bad:
-                            break
-                    if s.bad or (rep and spent > self.opts.rep_budget_s):
+                        bad = bad or bool(s.bad)
+                    if bad or (rep and spent > self.opts.rep_budget_s * n):
                         break
         except RankError as e:
             if fatal(e, self.ranks):
                 raise
-            self.res.errors[f"{method} {variant}".strip()] = e.error
+            self.res.errors[f"{name} {variant}".strip()] = e.error
 
     def run_on(self, targets: list[tuple[str, int]], method: str, starts: str = "") -> Go:
         """A :data:`Go` sending :class:`Run` to ``targets``; its time runs from the first
@@ -282,7 +289,7 @@ class CaseRun:
     def connector(self) -> None:
         # in turn with the same loads handed to a worker whole (the queue hand-off)
         queued = partial(self.go_load, inline=False)
-        self.measure("kvbridge", self.case.mode, self.go_load, False, ("queued", queued))
+        self.measure("kvbridge", self.case.mode, self.go_load, also=[("queued", queued)])
         facts.check_mover(self)
         if self.want_ordering:
             self.guarded("ordering", lambda: ordering.run(self))

@@ -1,4 +1,4 @@
-"""A load starts on the caller's thread (``Consumer(inline=True)``, the default) where
+"""A load starts on the caller's thread (``Consumer.inline``, True by default) where
 nothing there waits: P known, its mapping and geometry made, the fast channel free. Then
 ``begin`` is out, the plan made and (where the kernel mover overlaps P's answer, as on a
 GPU) the copies launched before :meth:`Consumer.load` returns; a worker ends the load.
@@ -13,7 +13,9 @@ import time
 import numpy as np
 import pytest
 
+from kvbridge.connector.peers import Peer
 from kvbridge.control.lease import LeaseState
+from kvbridge.control.messages import LeaseReply
 from kvbridge.errors import PlanError
 from kvbridge.plan.geometry import Geometry
 from tests.support.reference import expected_dest, fill_source
@@ -180,5 +182,132 @@ def test_an_inline_start_costs_the_caller_little(shm: ShmPool) -> None:
         assert time.monotonic() - t0 < 0.15
         (out,) = w.wait()
         assert out.ok and "handoff" in out.stages, out.error
+    finally:
+        w.close()
+
+
+def _same_channel(peer: Peer) -> None:
+    peer.fast = peer.client  # what the fast channel exists to avoid
+
+
+@pytest.mark.parametrize("one_channel", [False, True])
+def test_work_queued_before_an_inline_start_does_not_wait_on_its_channel(
+    shm: ShmPool, monkeypatch, one_channel: bool
+) -> None:
+    """Both workers busy, two releases queued (each a call to P over the peer's
+    channel), then a load started inline: its ``begin`` holds its channel until a worker
+    takes it, and the releases run first. On the fast channel all end; on the peer's
+    own channel (``one_channel``) the releases wait on it while the load waits behind
+    them: nothing moves until the test takes the load's answer by hand."""
+    if one_channel:
+        monkeypatch.setattr(Peer, "__post_init__", _same_channel)
+    w = World(p_memory=shm)
+    gate = threading.Event()
+    try:
+        d = w.consumers[0]
+        load_one(w, "r0")
+        assert [f.request_id for f in w.producer.freed(wait_for=1)] == ["r0"]
+        released = [w.request(f"q{i}", 20)[0] for i in range(2)]
+        for _ in range(2):  # both workers busy (not loads: one may start inline)
+            d._pool.submit(gate.wait, 5)
+        for handle in released:
+            d.release(handle)
+        d.load(*w.request("i", 20))
+        gate.set()
+        if one_channel:
+            time.sleep(1.0)
+            assert not d.poll() and not w.producer.freed()  # they hold each other
+            job = d._loads["i"]
+            assert job.started is not None  # its run still queued behind the releases
+            assert job.peer is not None and job.peer.fast is job.peer.client
+            job.started.answer.take(quiet=True)  # frees the channel: all go on
+            (out,) = w.wait(1, timeout=10)
+            assert out.ok, out.error
+            return
+        (out,) = w.wait(1, timeout=10)
+        assert out.ok and out.request_id == "i" and "handoff" in out.stages, out.error
+        freed = {f.request_id: f.reason for f in w.producer.freed(wait_for=3)}
+        assert {"q0", "q1", "i"} <= freed.keys(), freed
+    finally:
+        gate.set()
+        job = d._loads.get("i")
+        if job is not None and job.started is not None:  # never leave the deadlock behind
+            job.started.answer.take(quiet=True)
+        w.close()
+
+
+def test_a_lease_refused_after_an_inline_launch_fails_the_load_and_holds_nothing(
+    shm: ShmPool, monkeypatch
+) -> None:
+    """P answers "expired" to a ``begin`` whose copies were launched on the caller's
+    thread: the load fails (never reported done), and afterwards nothing is held: the
+    peer unused, its fast channel free, every mapping without users, nothing pending."""
+    w = World(p_memory=shm)
+    try:
+        _overlap(w)
+        d = w.consumers[0]
+        load_one(w, "r0")
+        real = w.producer.leases.on_op
+        monkeypatch.setattr(
+            w.producer.leases,
+            "on_op",
+            lambda m: LeaseReply("expired") if m.op == "begin" else real(m),
+        )
+        handle, d_tabs = w.request("r1", 45)
+        d.load(handle, d_tabs)
+        (out,) = w.wait()
+        assert not out.ok and "LeaseExpired" in out.error, out.error
+        assert {"handoff", "launch"} <= out.stages.keys()
+        time.sleep(0.2)
+        peer = d.peers.known(handle)
+        assert peer is not None and peer.users == 0 and peer.fast is not None
+        assert not peer.fast._lock.locked() and d.pending() == 0
+        assert d.kernel is not None and all(m.users == 0 for m in d.kernel._sources.values())
+    finally:
+        w.close()
+
+
+def test_close_ends_a_load_started_inline_that_no_worker_ran(shm: ShmPool) -> None:
+    """Both workers busy, a load started inline waits in the queue, then the consumer
+    closes: the queued run is cancelled, and close() takes P's answer (freeing the fast
+    channel it then closes), ends the copies and tells P ``fail`` with the token: P
+    frees the blocks at once. close() returns."""
+    w = World(p_memory=shm)
+    gate = threading.Event()
+    try:
+        _overlap(w)
+        d = w.consumers[0]
+        load_one(w, "r0")
+        for _ in range(2):
+            d._pool.submit(gate.wait, 1.0)
+        d.load(*w.request("i", 20))
+        assert d.pending() == 1
+        closed = threading.Event()
+        threading.Thread(target=lambda: (d.close(), closed.set()), daemon=True).start()
+        gate.set()
+        assert closed.wait(8), "Consumer.close hung"
+        freed = w.producer.freed(wait_for=2)
+        assert {f.request_id: f.reason for f in freed}["i"] == LeaseState.DONE
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_inline_starts_only_where_a_worker_is_idle_for_it(shm: ShmPool, monkeypatch) -> None:
+    """Loads beyond the idle workers go to the queue whole: a load started inline waits
+    for no one (nor does its lease, unrenewable until a worker takes its answer)."""
+    w = World(p_memory=shm)
+    try:
+        d = w.consumers[0]
+        load_one(w, "r0")
+        hold_begin(w, monkeypatch, lambda: False, 0.05)
+        loads = [w.request(f"r{i}", 20) for i in range(1, 5)]
+        for handle, d_tabs in loads:
+            d.load(handle, d_tabs)
+        outs = {o.request_id: o for o in w.wait(4, timeout=20)}
+        assert all(o.ok for o in outs.values()), [o.error for o in outs.values()]
+        assert "handoff" in outs["r1"].stages  # both workers idle: started inline
+        assert "handoff" not in outs["r3"].stages and "handoff" not in outs["r4"].stages
+        assert d._free == 2  # every worker's slot given back
     finally:
         w.close()

@@ -1,6 +1,7 @@
 """D side of the connector: one :class:`Consumer` per D rank. ``load(handle, local block
-tables, cached tokens)`` queues a request; a worker thread runs its state machine and
-:meth:`Consumer.poll` returns finished and failed requests:
+tables, cached tokens)`` starts a request on the caller's thread where nothing there waits
+(:mod:`kvbridge.connector.inline`) and queues it; a worker thread runs (the rest of) its
+state machine and :meth:`Consumer.poll` returns finished and failed requests:
 
     QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE
        └──────────┴──────────┴─────────┴──► FAILED   (any error, deadline or lapsed lease)
@@ -22,7 +23,7 @@ import numpy as np
 
 from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
-from kvbridge.connector.inline import Started, start, taken_over
+from kvbridge.connector.inline import Started, abandon, start, taken_over
 from kvbridge.connector.kernel_mover import kernel_mover
 from kvbridge.connector.lease_calls import Answer, LeaseCalls
 from kvbridge.connector.load import (
@@ -119,13 +120,18 @@ class Consumer:
             timeout_s=transfer_timeout_s, model_id=model_id, pad_blocks=pad_blocks, keys=keys,
         )  # fmt: skip
         self.leases = LeaseCalls(engine_id, rank, par.world, self.peers, secret, transfer_timeout_s)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}
         self._done: list[Outcome] = []
-        self._stop = threading.Event()
         self.fence = Fence(transport, self._deliver)
+        self._threads(rank, workers)
+
+    def _threads(self, rank: int, workers: int) -> None:
+        """The load workers, the thread telling P of failures, the lease renewer."""
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
+        self._free = workers  # minus loads queued or running: inline only if one is idle
         self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
+        self._stop = threading.Event()
         renew = (self._stop, self._waiting)
         self._renewer = threading.Thread(target=self.leases.renew_loop, args=renew, daemon=True)
         self._renewer.start()
@@ -168,7 +174,22 @@ class Consumer:
             if handle.request_id in self._loads:
                 raise KVBridgeError(f"request {handle.request_id!r} is already loading")
             self._loads[handle.request_id] = job
-        self._pool.submit(self._run, job, start(self, job) if self.inline else None)
+            self._free -= 1
+            inline = self.inline and self._free >= 0  # a worker idle for it: no wait
+        try:
+            job.started = start(self, job) if inline else None
+            self._pool.submit(self._run, job, job.started)
+        except BaseException:  # nothing of it may stay: not registered, nothing held
+            with self._lock:
+                self._loads.pop(handle.request_id, None)
+                self._free += 1
+            if job.started is not None:
+                abandon(self, job, job.started, self._tell_p.submit)
+            raise
+
+    def release_peer(self, peer: Peer) -> None:
+        """:meth:`PeerCache.done` off the caller's thread (it may close channels)."""
+        self._tell_p.submit(self.peers.done, peer)
 
     def release(self, handle: TransferHandle) -> None:
         """Tell P this rank needs none of ``handle``'s blocks (D computed or cached them
@@ -185,6 +206,14 @@ class Consumer:
             return len(self._loads)
 
     def _run(self, job: _Load, started: Started | None = None) -> None:
+        job.started = None  # a worker runs it: close() need not end it
+        try:
+            self._run_load(job, started)
+        finally:
+            with self._lock:
+                self._free += 1
+
+    def _run_load(self, job: _Load, started: Started | None) -> None:
         t0 = time.perf_counter() if started is None else started.t0
         try:
             if started is None:
@@ -214,6 +243,8 @@ class Consumer:
             if not isinstance(e, KVBridgeError):
                 log.exception("load of %s failed", job.handle.request_id)
             job.state = LoadState.FAILED
+            if started is not None:  # taken already, unless it failed before _move
+                started.answer.take(quiet=True)
             if job.launched is not None:  # copies started on the engine's thread
                 try:
                     job.launched.finish()
@@ -342,6 +373,11 @@ class Consumer:
     def close(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # started on the caller's thread, then cancelled in the queue
+            stranded = [j for j in self._loads.values() if j.started is not None]
+        for job in stranded:
+            assert job.started is not None
+            abandon(self, job, job.started, lambda fn, *a: fn(*a))
         self._renewer.join(timeout=2)
         for item in self.fence.close():
             log.warning("closing with %s still fenced", item.outcome.request_id)

@@ -4,8 +4,10 @@ returns, and a worker ends the load (``docs/performance.md``, "The queue hand-of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,7 +54,7 @@ def start(d: Consumer, job: _Load) -> Started | None:
     except Exception:  # never the caller's: the worker starts the load instead
         log.exception("starting %s on the caller's thread failed", job.handle.request_id)
     if answer is None:
-        d.peers.done(peer)
+        d.release_peer(peer)
         return None
     job.lap("queue")
     t0 = job.mark  # the load's seconds, as a worker's: from the end of "queue"
@@ -64,7 +66,27 @@ def start(d: Consumer, job: _Load) -> Started | None:
             job.lap("launch")
     except Exception as e:  # the worker reports it, after P's answer
         return Started(peer, None, begun, answer, e, t0)
+    except BaseException:  # the caller's (an interrupt): nothing held past it
+        answer.take(quiet=True)
+        if job.launched is not None:
+            job.launched.finish()
+        d.release_peer(peer)
+        raise
     return Started(peer, plan, begun, answer, None, t0)
+
+
+def abandon(d: Consumer, job: _Load, started: Started, call: Callable[..., object]) -> None:
+    """A load :func:`start` began that no worker will run (:meth:`Consumer.close`, or
+    ``load`` failing after it): P's answer taken (its channel freed), the copies ended,
+    ``fail`` sent (through ``call``: at once, or by another thread), the peer released."""
+    job.started = None
+    started.answer.take(quiet=True)
+    if job.launched is not None:
+        with contextlib.suppress(Exception):
+            job.launched.finish()
+    with contextlib.suppress(Exception):
+        call(d.leases.report_failure, job)
+    d.peers.done(started.peer)
 
 
 def taken_over(job: _Load, started: Started) -> tuple[Peer, Plan, float, Answer]:
@@ -79,4 +101,4 @@ def taken_over(job: _Load, started: Started) -> tuple[Peer, Plan, float, Answer]
     return started.peer, started.plan, started.begun, started.answer
 
 
-__all__ = ["Started", "start", "taken_over"]
+__all__ = ["Started", "abandon", "start", "taken_over"]

@@ -129,7 +129,9 @@ class KernelMover:
                 return True
         if peer.remake is None:
             return True
-        with self._lock:
+        if not self._lock.acquire(blocking=False):  # a worker maps or unmaps: not now
+            return False
+        try:
             made = []
             for src in sources:
                 key = (peer.engine_id, src)
@@ -142,6 +144,8 @@ class KernelMover:
                 made.append(known.made)
             geometry = self._geometries.get(peer.engine_id)
             return geometry is not None and geometry[0] == tuple(made)
+        finally:
+            self._lock.release()
 
     def move(
         self,

@@ -73,15 +73,16 @@ class LeaseCalls:
             job.peer = peer
         (engine, epoch, rank, world), h = self.who, job.handle
         op = LeaseOp("begin", h.request_id, h.lease_id, job.digest, engine, rank, world, epoch, "")
+        reply = None
         try:
             reply = peer.fast.try_send(op)
         except KVBridgeError:  # the queued load meets it again, typed
-            reply = None
-        if reply is None:
-            with self._turn:
-                job.peer = None
-            return None
-        return Answer(reply, self, job)
+            pass
+        finally:
+            if reply is None:
+                with self._turn:
+                    job.peer = None
+        return None if reply is None else Answer(reply, self, job)
 
     def begun(self, job: _Load, reply: Message) -> float:
         """P's ``begin`` reply checked, its token kept for the rank's later ops → seconds

@@ -16,6 +16,7 @@ from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
 
 if TYPE_CHECKING:
+    from kvbridge.connector.inline import Started
     from kvbridge.connector.kernel_mover import Launched, Over
 
 
@@ -67,9 +68,9 @@ class Outcome:
     """Seconds per stage: queue, handshake, plan, lease (what was left to wait for P's
     ``begin`` reply after planning; where the kernel mover takes it while its copies run,
     a part of ``transfer``, not added to it), post, transfer, verify. A load started on
-    the engine's thread (:meth:`Consumer.load`, ``inline``) has ``queue`` ≈ 0, ``launch``
-    (the kernel mover's copies started there) and ``handoff`` (until a worker took it
-    over, while P answered and the copies ran)."""
+    the engine's thread (:attr:`Consumer.inline`) has ``queue`` (sending ``begin``
+    there), ``launch`` (the kernel mover's copies started there) and ``handoff`` (until a
+    worker took it over, while P answered and the copies ran)."""
     staged_runs: int = 0
     """Runs moved through the staging area (``descriptors`` counts what was posted:
     the direct runs plus the staged spans)."""
@@ -124,6 +125,9 @@ class _Load:
     """Takes P's ``begin`` answer (raising unless the lease is held): a mover that may run
     before it was taken (the kernel mover) calls it once its copies are launched, before
     waiting for them."""
+    started: Started | None = None
+    """What its start on the engine's thread did, until a worker runs it (else
+    :meth:`Consumer.close` ends it)."""
     launched: Launched | None = None
     """Kernel copies started on the engine's thread (:meth:`Consumer.load`'s inline
     start), ended by the mover's run in a worker (or by the failure path)."""
