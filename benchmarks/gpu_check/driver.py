@@ -44,6 +44,8 @@ class Options:
     setup_timeout_s: float = 180.0
     shm_prefix: str = ""
     secret: bytes = b"gpu-check"
+    prepare: bool = True
+    """D prepares the pair before kvbridge's first load (``Consumer.prepare``)."""
 
 
 @dataclass(slots=True)
@@ -84,6 +86,9 @@ class CaseResult:
     """The ordering case, where it ran (:mod:`.ordering`)."""
     remarks: list[str] = field(default_factory=list)
     """What the table notes under the case without failing it."""
+    prepare_s: float | None = None
+    """D ranks' :meth:`Consumer.prepare` of the pair before its first load (the slowest;
+    None: not prepared, ``--no-prepare``)."""
 
 
 class OutOfBudget(Exception):
@@ -287,6 +292,10 @@ class CaseRun:
         return max(t.end - t.start for t in ts), ts
 
     def connector(self) -> None:
+        if self.opts.prepare:  # the pair connected before its first request
+            assert self.producer is not None
+            cmd = m.Prepare(self.producer.endpoint, self.producer.engine_id, 120.0)
+            self.res.prepare_s = max(self.every("D", cmd))
         # in turn with the same loads handed to a worker whole (the queue hand-off)
         queued = partial(self.go_load, inline=False)
         self.measure("kvbridge", self.case.mode, self.go_load, also=[("queued", queued)])

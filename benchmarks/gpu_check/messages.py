@@ -134,6 +134,16 @@ class Load:
 
 
 @dataclass(frozen=True, slots=True)
+class Prepare:
+    """D: prepare the consumer for the P instance ``engine_id`` at ``endpoint`` before its
+    first load (:meth:`~kvbridge.api.Consumer.prepare`); reply the seconds it took."""
+
+    endpoint: str
+    engine_id: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class CloseConnector:
     """Close the consumer (D: it unmaps P's memory) and the producer worker (P)."""
 

@@ -191,6 +191,13 @@ def load(st: RankState, cmd: m.Load) -> m.Timing:
     raise TimeoutError(f"no outcome for {handle.request_id} within {cmd.timeout_s} s")
 
 
+def prepare(st: RankState, cmd: m.Prepare) -> float:
+    assert st.consumer is not None
+    t0 = time.perf_counter()
+    st.consumer.prepare(cmd.endpoint, cmd.engine_id).result(timeout=cmd.timeout_s)
+    return time.perf_counter() - t0
+
+
 def close_connector(st: RankState, _: m.CloseConnector) -> None:
     if st.consumer is not None:
         st.consumer.close()  # unmaps P's regions, forgets P's agents
@@ -273,6 +280,7 @@ def handlers() -> dict[type, Handler]:
     return {
         m.Connect: connect,
         m.Load: load,
+        m.Prepare: prepare,
         m.CloseConnector: close_connector,
         m.OpenMaps: open_maps,
         m.CloseMaps: close_maps,

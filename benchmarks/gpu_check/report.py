@@ -202,7 +202,7 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
             continue
         table_rows = rows(res)
         lines += [_line(label, r) for r in table_rows]
-        lines += _connector_lines(table_rows)
+        lines += _connector_lines(table_rows, res.prepare_s)
         for t in targets(res, table_rows):
             met = {True: "MET", False: "MISSED", None: "—"}[t["met"]]
             lines.append(
@@ -218,9 +218,9 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _connector_lines(table_rows: list[dict[str, Any]]) -> list[str]:
+def _connector_lines(table_rows: list[dict[str, Any]], prepare_s: float | None) -> list[str]:
     """Under a case: kvbridge's stage medians (started on the caller's thread, and
-    queued) and its cold loads, split."""
+    queued) and its cold loads, split (the first on a pair prepared ahead, or not)."""
     pad, out = f"{'':<44}   ", []
     for r in table_rows:
         if r["method"] not in CONNECTOR or r["ms"] is None:
@@ -229,9 +229,10 @@ def _connector_lines(table_rows: list[dict[str, Any]]) -> list[str]:
         stages = " · ".join(f"{name} {ms:.3f}" for name, ms in r["stages_ms"].items())
         out.append(f"{pad}{who} stages, median ms: {stages or '—'}")
         if r["method"] == "kvbridge":
+            ahead = "" if prepare_s is None else f" (prepared ahead: {prepare_s * 1e3:.2f} ms)"
             out.append(
-                f"{pad}kvbridge cold: first on the pair {_fmt(r['first_pair_ms'], '.2f')} ms · "
-                f"first of a later request {_fmt(r['first_request_ms'], '.2f')} ms"
+                f"{pad}kvbridge cold: first on the pair {_fmt(r['first_pair_ms'], '.2f')} ms"
+                f"{ahead} · first of a later request {_fmt(r['first_request_ms'], '.2f')} ms"
             )
     return out
 
@@ -274,6 +275,7 @@ def to_json(results: list[CaseResult], meta: dict[str, Any]) -> dict[str, Any]:
                 "triton": res.triton,
                 "ordering": res.ordering,
                 "remarks": res.remarks,
+                "prepare_ms": None if res.prepare_s is None else res.prepare_s * 1e3,
                 "rows": table_rows,
                 "targets": targets(res, table_rows) if table_rows else [],
                 "samples": [asdict(s) for s in res.samples],

@@ -50,6 +50,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", default="0,4,8", help="UCX thread counts of the vLLM-like path")
     ap.add_argument("--no-sgl", action="store_true", help="leave NIXL_UCX_SGL_ENABLE unset")
     ap.add_argument(
+        "--no-prepare", action="store_true", help="kvbridge's first load meets an unprepared pair"
+    )
+    ap.add_argument(
         "--fresh",
         choices=("auto", "yes", "no"),
         default="auto",
@@ -194,7 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     prefix = f"/dev/shm/kvb-gpucheck-{os.getpid()}"
     threads = tuple(int(x) for x in args.threads.split(",") if x.strip())
-    opts = Options(gpu=not args.cpu, threads=threads, shm_prefix=prefix)
+    opts = Options(
+        gpu=not args.cpu, threads=threads, shm_prefix=prefix, prepare=not args.no_prepare
+    )
     dog = Watchdog(t0 + args.budget_s + GRACE_S)
     try:
         results = run_all(cases, opts, args, t0 + args.budget_s - RESERVE_S, dog)

@@ -87,6 +87,8 @@ def test_the_table_was_printed(check: tuple[dict, str]) -> None:
     assert "target kernel ≤ 1.5× contig copy + 50 µs" in text
     assert text.count("kvbridge stages, median ms: queue") == len(report["cases"])
     assert text.count("kvbridge cold: first on the pair") == len(report["cases"])
+    assert text.count("(prepared ahead: ") == len(report["cases"])  # Consumer.prepare
+    assert all(c["prepare_ms"] > 0 for c in report["cases"])
     for case in report["cases"]:
         k = next(r for r in case["rows"] if r["method"] == "kvbridge")
         # warm loads started on the rank's thread; the same loads queued whole, in turn

@@ -281,6 +281,17 @@ def connector_totals(worker: Any) -> dict[str, int]:
     return dict(side.totals) if side is not None else {}
 
 
+def connector_peers(worker: Any) -> dict[str, str]:
+    """For :meth:`Engine.rpc`: the P instances the kvbridge consumer holds, engine id →
+    ``epoch:object id`` (a new handshake makes a new object)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group().worker
+    if side is None or side.consumer is None:
+        return {}
+    return {eid: f"{p.epoch}:{id(p)}" for eid, p in list(side.consumer.peers._peers.items())}
+
+
 def ssm_state_itemsize(worker: Any) -> int:
     """For :meth:`Engine.rpc`: bytes per element of the Mamba / GDN SSM state as vLLM
     keeps it (its CPU platform may switch a bf16 state to fp32, depending on the CPU)."""

@@ -60,3 +60,14 @@ def test_keys_file_and_advertise_are_read_and_a_bad_keys_file_refused(tmp_path) 
     bad.write_text('{"server_public": "nope"}')
     with pytest.raises(ConfigError, match="40 characters"):
         read_config(kv(keys_file=str(bad)), None)
+
+
+def test_prepare_lists_p_instances_as_engine_id_at_endpoint() -> None:
+    cfg = read_config(kv(prepare=["p0@tcp://10.0.0.7:5600", " p1@tcp://10.0.0.8:5600"]))
+    assert cfg.prepare == (("p0", "tcp://10.0.0.7:5600"), ("p1", "tcp://10.0.0.8:5600"))
+    one = read_config(kv(prepare="p0@tcp://h:1,p1@tcp://h:2"))
+    assert one.prepare == (("p0", "tcp://h:1"), ("p1", "tcp://h:2"))
+    assert read_config(kv()).prepare == ()
+    for bad in (["tcp://h:1"], ["p0@h:1"], ["@tcp://h:1"], 7):
+        with pytest.raises(ConfigError, match="prepare"):
+            read_config(kv(prepare=bad))

@@ -56,8 +56,10 @@ def model(models: Path, name: str) -> str:
 
 
 def config(models: Path, name: str, engine_id: str, **kw: object) -> EngineConfig:
+    """``kw["extra"]``: connector settings besides :data:`SECRET`'s."""
     kw.setdefault("core_process", False)
-    return EngineConfig(model(models, name), engine_id=engine_id, extra=SECRET, **kw)  # type: ignore[arg-type]
+    extra = {**SECRET, **kw.pop("extra", {})}  # type: ignore[dict-item]
+    return EngineConfig(model(models, name), engine_id=engine_id, extra=extra, **kw)  # type: ignore[arg-type]
 
 
 def start(models: Path, name: str, engine_id: str, **kw: object) -> Engine:

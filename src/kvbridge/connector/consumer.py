@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -36,7 +36,8 @@ from kvbridge.connector.load import (
     failed_blocks,
 )
 from kvbridge.connector.movers import Directions, early, movers, plan_geometry, transfer
-from kvbridge.connector.peers import Peer, PeerCache
+from kvbridge.connector.peers import Peer, PeerCache, Target
+from kvbridge.connector.prepare import prepare
 from kvbridge.connector.pull import POST_RUNS
 from kvbridge.connector.staging import Stager
 from kvbridge.control.security import Keys
@@ -190,6 +191,12 @@ class Consumer:
     def release_peer(self, peer: Peer) -> None:
         """:meth:`PeerCache.done` off the caller's thread (it may close channels)."""
         self._tell_p.submit(self.peers.done, peer)
+
+    def prepare(self, endpoint: str, engine_id: str) -> Future[str]:
+        """Connect to the P instance ``engine_id`` at ``endpoint`` before its first
+        request, in a worker (:mod:`kvbridge.connector.prepare`): its first load then
+        costs what a warm one does. The future's result: the P epoch prepared."""
+        return self._pool.submit(prepare, self, Target(engine_id, endpoint))
 
     def release(self, handle: TransferHandle) -> None:
         """Tell P this rank needs none of ``handle``'s blocks (D computed or cached them

@@ -81,6 +81,16 @@ class Peer:
         return self.clients[rank]
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A P instance to reach before any handle names it (:meth:`Consumer.prepare`): its
+    engine id and side-channel endpoint; ``epoch`` "" takes whichever P answers with."""
+
+    engine_id: str
+    endpoint: str
+    epoch: str = ""
+
+
 class PeerCache:
     """D's peers by engine id: at most ``max_peers`` kept (least recently used and idle
     ones evicted), one handshake at a time per engine id (others wait for it, loads to
@@ -136,16 +146,18 @@ class PeerCache:
             peer.users += 1
             return peer
 
-    def get(self, handle: TransferHandle, since: float | None = None) -> Peer:
-        """The peer of ``handle`` (handshakes if new or if P restarted: new epoch),
-        counted in use until :meth:`done`. ``since`` (``time.monotonic()``, default now):
-        fail at once if a handshake with the handle's endpoint got no answer after it."""
+    def get(self, handle: TransferHandle | Target, since: float | None = None) -> Peer:
+        """The peer of ``handle`` (handshakes if new or if P restarted: new epoch; a
+        :class:`Target` without epoch takes the one cached, else whichever P answers
+        with), counted in use until :meth:`done`. ``since`` (``time.monotonic()``, default
+        now): fail at once if a handshake with the handle's endpoint got no answer after
+        it."""
         eid = handle.engine_id
         asked = time.monotonic() if since is None else since
         while True:
             with self._lock:
                 peer = self._peers.get(eid)
-                if peer is not None and peer.epoch == handle.epoch:
+                if peer is not None and handle.epoch in (peer.epoch, ""):
                     self._peers[eid] = self._peers.pop(eid)  # most recently used
                     peer.users += 1
                     return peer
@@ -202,7 +214,7 @@ class PeerCache:
             doomed.append(self._peers.pop(eid))
         return doomed
 
-    def _handshake(self, handle: TransferHandle) -> Peer:
+    def _handshake(self, handle: TransferHandle | Target) -> Peer:
         t0 = time.perf_counter()
         eid = handle.engine_id  # per-instance keys: P must hold the key bound to it
         client = Client(handle.endpoint, self.secret, self.timeout_s, self.keys, eid)
@@ -213,13 +225,13 @@ class PeerCache:
             client.close()
             raise
 
-    def _ask(self, client: Client, handle: TransferHandle) -> HandshakeReply:
+    def _ask(self, client: Client, handle: TransferHandle | Target) -> HandshakeReply:
         reply = client.call(Handshake(PROTOCOL_VERSION, self.engine_id))
         if not isinstance(reply, HandshakeReply):
             raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
         if reply.version != PROTOCOL_VERSION:
             raise IncompatibleError(f"P speaks protocol {reply.version}, D {PROTOCOL_VERSION}")
-        if (reply.engine_id, reply.epoch) != (handle.engine_id, handle.epoch):
+        if (reply.engine_id, reply.epoch) != (handle.engine_id, handle.epoch or reply.epoch):
             raise PeerError(
                 f"{handle.endpoint} is {reply.engine_id!r} epoch {reply.epoch!r}; the handle "
                 f"names {handle.engine_id!r} epoch {handle.epoch!r} (stale or forged handle)"
@@ -236,7 +248,7 @@ class PeerCache:
         return reply
 
     def _connect(
-        self, handle: TransferHandle, client: Client, reply: HandshakeReply, t0: float
+        self, handle: TransferHandle | Target, client: Client, reply: HandshakeReply, t0: float
     ) -> Peer:
         laps = [time.perf_counter()]
         p_par = Parallel(reply.tp, reply.pp, tuple(tuple(s) for s in reply.stages))  # type: ignore[misc]

@@ -89,9 +89,15 @@ class ConnectorConfig:
     advertise: str = ""
     keys_file: str = ""
     transport: str = "nixl"
+    prepare: tuple[tuple[str, str], ...] = ()
+    """D: P instances (engine id, side-channel endpoint) connected at start-up
+    (:meth:`Consumer.prepare`), so their first request costs what a warm one does."""
 
 
-KNOWN = {"host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file", "transport"}
+KNOWN = {
+    *("host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file"),
+    *("transport", "prepare"),
+}
 """``kv_connector_extra_config`` keys besides the secret."""
 
 VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
@@ -138,6 +144,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             str(extra.get("advertise", "")),
             str(extra.get("keys_file", "")),
             str(extra.get("transport", "nixl")),
+            _peers(extra.get("prepare", ())),
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
@@ -153,6 +160,21 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
     if cfg.keys_file:  # refuse a bad file at start-up, not at the first request
         check_keys(cfg.keys_file, cfg.engine_id)
     return cfg
+
+
+def _peers(value: Any) -> tuple[tuple[str, str], ...]:
+    """``prepare``: ``"engine_id@tcp://host:port"`` items, as a list or one string with
+    commas → ((engine id, endpoint), ...)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError(f"prepare: a list of 'engine_id@tcp://host:port', not {value!r}")
+    out = []
+    for item in items:
+        eid, at, endpoint = str(item).strip().partition("@")
+        if not (eid and at and endpoint.startswith("tcp://")):
+            raise ValueError(f"prepare: {item!r} is not 'engine_id@tcp://host:port'")
+        out.append((eid, endpoint))
+    return tuple(out)
 
 
 def check_keys(path: str, engine_id: str) -> Keys:

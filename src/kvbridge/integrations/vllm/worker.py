@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
+from concurrent.futures import Future
+from functools import partial
 
 from kvbridge.adapter import Loading, LoadJob, Tally, decode_handle, increase
 from kvbridge.adapter.metrics import Sample
@@ -26,6 +28,15 @@ from kvbridge.integrations.vllm.gpu_layout import Placement, kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
 
 log = logging.getLogger(__name__)
+
+
+def _prepared(engine_id: str, done: Future[str]) -> None:
+    """Log how preparing P ``engine_id`` ended (a failure costs its first request only)."""
+    exc = done.exception()
+    if exc is not None:
+        log.warning("kvbridge: preparing P %s failed: %s", engine_id, exc)
+    else:
+        log.info("kvbridge: P %s prepared (epoch %s)", engine_id, done.result())
 
 
 class WorkerSide:
@@ -82,6 +93,8 @@ class WorkerSide:
                 memory=placed.memory,
                 device=placed.device,
             )
+            for eid, endpoint in self.cfg.prepare:  # in a worker: start-up goes on
+                self.consumer.prepare(endpoint, eid).add_done_callback(partial(_prepared, eid))
 
     def written(self, meta: StepMeta) -> None:
         """P: return once this step's KV writes are complete (device memory: everything

@@ -1,0 +1,65 @@
+"""``Consumer.prepare``: a P instance connected before its first request (handshake, the
+kernel mover's mapping and geometry, the fast channel, a throwaway plan), so that first
+load starts on the caller's thread like a warm one; errors typed in the future, and the
+consumer serving on after them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.errors import PeerError, TransportError
+from tests.unit.test_connector_loopback import World, check_bytes
+from tests.unit.test_kernel_mover import ShmPool, _landed, load_one, shm
+
+__all__ = ["shm"]  # the fixture, used by name
+
+
+def test_a_prepared_pairs_first_load_starts_inline_with_its_bytes_moving(
+    shm: ShmPool,
+) -> None:
+    w = World(p_memory=shm)
+    try:
+        d = w.consumers[0]
+        assert d.kernel is not None
+        d.kernel.overlap = True  # as on a GPU
+        epoch = d.prepare(w.producer.endpoint, "P").result(timeout=10)
+        assert epoch == w.producer.epoch
+        assert d.prepare(w.producer.endpoint, "P").result(timeout=10) == epoch  # no-op
+        assert len(d.peers) == 1
+        peer = d.peers.known(w.request("probe", 8)[0])
+        assert peer is not None and peer.users == 0 and d.kernel.ready(peer)
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("r1", 45)
+        d.load(handle, d_tabs)
+        assert _landed(w, before, 45, d_tabs)  # the very first load, copied inline
+        (out,) = w.wait()
+        assert out.ok and out.mover == "kernel", out.error
+        assert {"handoff", "launch"} <= out.stages.keys()
+        check_bytes(w, before, 45, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_an_unprepared_pairs_first_load_goes_to_a_worker(shm: ShmPool) -> None:
+    w = World(p_memory=shm)
+    try:
+        out = load_one(w, "r1")
+        assert "handoff" not in out.stages and out.mover == "kernel"
+    finally:
+        w.close()
+
+
+def test_preparing_another_engine_or_a_dead_endpoint_fails_typed_and_d_serves_on(
+    shm: ShmPool,
+) -> None:
+    w = World(p_memory=shm, timeout_s=1.0)
+    try:
+        d = w.consumers[0]
+        with pytest.raises(PeerError, match="stale or forged"):
+            d.prepare(w.producer.endpoint, "not-P").result(timeout=10)
+        with pytest.raises(TransportError):
+            d.prepare("tcp://127.0.0.1:9", "P").result(timeout=10)
+        assert len(d.peers) == 0
+        load_one(w, "r1")
+    finally:
+        w.close()
