@@ -39,9 +39,9 @@ class Case:
     p_block: int = 16
     d_block: int = 16
     mode: str = "pull"
-    requests: int = 2
+    requests: int = 6
     """Requests measured (each: one cold transfer per method, then ``reps`` timed)."""
-    reps: int = 3
+    reps: int = 2
     pool_factor: int = 4
     live: int = 6
     seed: int = 0

@@ -70,5 +70,5 @@ unit_tests() {  # tests/unit/test_device_copies.py on CUDA, Triton on and off; n
 }
 if [ "${UNIT_TESTS:-1}" != 0 ]; then unit_tests; fi
 
-"$py" -m benchmarks.gpu_check --budget-s "${BUDGET_S:-180}" --json "$out/gpu_check.json" "$@" \
+"$py" -m benchmarks.gpu_check --budget-s "${BUDGET_S:-260}" --json "$out/gpu_check.json" "$@" \
   | tee "$out/gpu_check.txt"

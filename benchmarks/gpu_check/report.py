@@ -51,6 +51,12 @@ def _stages(samples: list[Sample]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in seen.items()}
 
 
+def _detail_ms(samples: list[Sample], key: str) -> float | None:
+    """Median of ``detail[key]`` (ms) over the timed transfers that report it."""
+    got = [float(v) for s in samples if s.rep > 0 and isinstance(v := s.detail.get(key), float)]
+    return statistics.median(got) if got else None
+
+
 def _cold(samples: list[Sample]) -> tuple[float | None, float | None]:
     """(the first request's cold transfer, median of the later requests' cold ones), ms."""
     cold = sorted((s.request, s.seconds) for s in samples if s.rep == 0)
@@ -74,6 +80,8 @@ def _row(method: str, variant: str, samples: list[Sample]) -> dict[str, Any]:
         "first_pair_ms": first_pair,
         "first_request_ms": first_request,
         "stages_ms": _stages(samples),
+        "gpu_ms": _detail_ms(samples, "gpu_ms"),
+        "back_to_back_ms": _detail_ms(samples, "back_to_back_ms"),
         "gbps": nbytes / secs / 1e9 if secs > 0 else None,
         "nbytes": int(nbytes),
         "descriptors": int(_median_of_requests(samples, "descriptors")),
@@ -203,6 +211,7 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
         table_rows = rows(res)
         lines += [_line(label, r) for r in table_rows]
         lines += _connector_lines(table_rows, res.prepare_s)
+        lines += _gpu_lines(table_rows)
         for t in targets(res, table_rows):
             met = {True: "MET", False: "MISSED", None: "—"}[t["met"]]
             lines.append(
@@ -235,6 +244,21 @@ def _connector_lines(table_rows: list[dict[str, Any]], prepare_s: float | None) 
                 f"{ahead} · first of a later request {_fmt(r['first_request_ms'], '.2f')} ms"
             )
     return out
+
+
+def _gpu_lines(table_rows: list[dict[str, Any]]) -> list[str]:
+    """Under a case, on a GPU: the copies' GPU time (CUDA events) beside their wall time,
+    and the contiguous copy back to back (the floor without host costs)."""
+    r = {row["method"]: row for row in table_rows if row["ms"] is not None}
+    parts = []
+    for method in ("kernel", "copy"):
+        gpu = r.get(method, {}).get("gpu_ms")
+        if gpu is not None:
+            parts.append(f"{NAMES.get(method, method)} {gpu:.3f} (wall {r[method]['ms']:.3f})")
+    b2b = r.get("copy", {}).get("back_to_back_ms")
+    if b2b is not None:
+        parts.append(f"contig copy back to back {b2b:.3f}")
+    return [f"{'':<44}   GPU time, median ms: {' · '.join(parts)}"] if parts else []
 
 
 def _ordering_line(o: dict[str, Any]) -> str:
