@@ -98,7 +98,7 @@ GPU_CASES = (
 )
 """``make gpu-check``: Llama-3.1-8B shapes (bf16) at 1k and 8k tokens, 1→2 NHD, 2→1,
 block 16→32 block-major, and a hybrid (Jamba: Mamba state + attention); sized for an H100
-within five minutes."""
+within the 260 s budget of ``gpu_check.sh`` (6 requests each: untried on a GPU yet)."""
 
 QUICK_CASES = (
     Case("llama-4l", 300, mode="pull", requests=2, reps=1),

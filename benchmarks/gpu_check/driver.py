@@ -213,7 +213,11 @@ class CaseRun:
         seconds, ts = go(req, seed)
         bad, checked = self.verify(req, seed, staging)
         nbytes = sum(t.nbytes for t in ts)
-        detail = ts[0].detail if ts else {}
+        detail = dict(ts[0].detail) if ts else {}
+        for key in ("gpu_ms", "back_to_back_ms"):  # the slowest D rank's, as the wall time
+            got = [v for t in ts if isinstance(v := t.detail.get(key), float)]
+            if got:
+                detail[key] = max(got)
         return Sample(
             method,
             variant,
@@ -293,9 +297,7 @@ class CaseRun:
 
     def connector(self) -> None:
         if self.opts.prepare:  # the pair connected before its first request
-            assert self.producer is not None
-            cmd = m.Prepare(self.producer.endpoint, self.producer.engine_id, 120.0)
-            self.res.prepare_s = max(self.every("D", cmd))
+            self.guarded("prepare", self.prepare)
         # in turn with the same loads handed to a worker whole (the queue hand-off)
         queued = partial(self.go_load, inline=False)
         self.measure("kvbridge", self.case.mode, self.go_load, also=[("queued", queued)])
@@ -304,6 +306,12 @@ class CaseRun:
             self.guarded("ordering", lambda: ordering.run(self))
         self.ask([(ro, r, m.CloseConnector()) for ro, r in self.ranks_of("D") + self.ranks_of("P")])
         self.connect()  # the consumer's close dropped P's agents from D's
+
+    def prepare(self) -> None:
+        assert self.producer is not None
+        timeout = self.opts.call_timeout_s - 10.0  # a rank's own, within the call's
+        cmd = m.Prepare(self.producer.endpoint, self.producer.engine_id, timeout)
+        self.res.prepare_s = max(self.every("D", cmd))
 
     def guarded(self, name: str, body: Callable[[], None]) -> None:
         """Run ``body``; a command that failed in a rank that goes on is recorded under

@@ -7,9 +7,9 @@
 # tests of the device copies run on CUDA twice, Triton on and off (UNIT_TIMEOUT_S each,
 # default 60; UNIT_TESTS=0 skips them), their result lines in $OUT/unit_*.txt. The JSON
 # lands in $OUT if set (the device tool brings $OUT back), else in build/, the table beside.
-#   PY (default python3), GPU_WHEELS, BUDGET_S (default 180), extra arguments: passed on.
-# Worst case with the defaults: unpack ~10 s + unit tests 2 x 70 s + 180 s + 45 s grace
-# ~ 375 s (the device tool allows 600 s a call).
+#   PY (default python3), GPU_WHEELS, BUDGET_S (default 260), extra arguments: passed on.
+# Worst case with the defaults: unpack ~10 s + unit tests 2 x 70 s + 260 s + 45 s grace
+# ~ 455 s (the device tool allows 600 s a call).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PY:-python3}

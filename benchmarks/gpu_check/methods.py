@@ -204,8 +204,9 @@ def kernel(st: RankState, cmd: m.Run) -> m.Timing:
         span = st.maps[src]
         groups = copy_groups(span, st.own, r, f"P rank {src}'s")
         work += [(span, s, d, size, st.divisors[src]) for d, s, size in groups]
-    t2 = time.monotonic()
     events = _Events(st)
+    t2 = time.monotonic()
+    events.begin()
     for span, s_off, d_off, size, divisor in work:
         checked_copy(st.own.tensor, d_off, span.tensor, s_off, size, divisor, stream=st.stream)
     detail = events.done()
@@ -221,14 +222,16 @@ def copy(st: RankState, cmd: m.Run) -> m.Timing:
     (wall and GPU time), then, on a GPU, ``BACK_TO_BACK`` more between two events."""
     assert st.p0_staging is not None
     n = cmd.nbytes[st.rank]
+    events = _Events(st)  # made before the clock starts: not the copy's time
     t0 = time.monotonic()
-    events = _Events(st)
+    events.begin()
     with st.on_stream():
         st.pools.staging[:n].copy_(st.p0_staging[:n])
     detail = events.done()
     end = time.monotonic()
     if st.stream is not None:
         events = _Events(st)
+        events.begin()
         with st.on_stream():
             for _ in range(BACK_TO_BACK):
                 st.pools.staging[:n].copy_(st.p0_staging[:n])
@@ -239,8 +242,10 @@ def copy(st: RankState, cmd: m.Run) -> m.Timing:
 
 
 class _Events:
-    """GPU time of what is queued on the rank's stream from here to :meth:`done` (CUDA
-    events); on the CPU nothing (the copies are synchronous: their wall time is it)."""
+    """GPU time of what is queued on the rank's stream from :meth:`begin` to :meth:`done`
+    (CUDA events: from the first copy's start to the last one's end, launch gaps and
+    offset transfers included); on the CPU nothing (the copies are synchronous: their
+    wall time is it)."""
 
     def __init__(self, st: RankState):
         self.stream = st.stream
@@ -248,6 +253,9 @@ class _Events:
         if self.stream is not None:
             self.start = torch.cuda.Event(enable_timing=True)
             self.end = torch.cuda.Event(enable_timing=True)
+
+    def begin(self) -> None:
+        if self.start is not None:
             self.start.record(self.stream)
 
     def done(self) -> dict[str, object]:

@@ -52,9 +52,14 @@ def _stages(samples: list[Sample]) -> dict[str, float]:
 
 
 def _detail_ms(samples: list[Sample], key: str) -> float | None:
-    """Median of ``detail[key]`` (ms) over the timed transfers that report it."""
-    got = [float(v) for s in samples if s.rep > 0 and isinstance(v := s.detail.get(key), float)]
-    return statistics.median(got) if got else None
+    """``detail[key]`` (ms) as the row's time is taken: the median over requests of the
+    median of their timed transfers that report it."""
+    per_req: dict[int, list[float]] = {}
+    for s in samples:
+        v = s.detail.get(key)
+        if s.rep > 0 and isinstance(v, float):
+            per_req.setdefault(s.request, []).append(v)
+    return statistics.median(statistics.median(v) for v in per_req.values()) if per_req else None
 
 
 def _cold(samples: list[Sample]) -> tuple[float | None, float | None]:

@@ -5,6 +5,7 @@ consumer serving on after them."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvbridge.errors import PeerError, TransportError
@@ -61,5 +62,59 @@ def test_preparing_another_engine_or_a_dead_endpoint_fails_typed_and_d_serves_on
             d.prepare("tcp://127.0.0.1:9", "P").result(timeout=10)
         assert len(d.peers) == 0
         load_one(w, "r1")
+    finally:
+        w.close()
+
+
+def test_prepares_run_on_their_own_thread_and_loads_never_wait_behind_them(
+    shm: ShmPool,
+) -> None:
+    """Two prepares of dead endpoints (each waits out its 2 s timeout) do not hold the
+    load workers: a load of a prepared P meanwhile starts inline and a worker takes it
+    over at once."""
+    w = World(p_memory=shm, timeout_s=2.0)
+    try:
+        d = w.consumers[0]
+        d.prepare(w.producer.endpoint, "P").result(timeout=10)
+        dead = [d.prepare(f"tcp://127.0.0.1:{port}", f"P{port}") for port in (9, 11)]
+        out = load_one(w, "r1")
+        assert out.stages["handoff"] < 0.5, out.stages
+        for f in dead:
+            with pytest.raises(TransportError):
+                f.result(timeout=10)
+    finally:
+        w.close()
+
+
+def test_preparing_again_after_p_restarted_replaces_the_cached_peer(shm: ShmPool) -> None:
+    w = World(p_memory=shm)
+    try:
+        d = w.consumers[0]
+        assert d.prepare(w.producer.endpoint, "P").result(timeout=10) == w.producer.epoch
+        w.producer.epoch = "restarted"
+        assert d.prepare(w.producer.endpoint, "P").result(timeout=10) == "restarted"
+        handle = w.request("r1", 45)[0]
+        peer = d.peers.ready(handle)
+        assert peer is not None and peer.epoch == "restarted"
+        assert peer.fast is not None and peer.fast._sock is not None  # connected ahead
+        d.peers.done(peer)
+        out = load_one(w, "r2")
+        assert "handoff" in out.stages  # the restarted P's first load starts inline
+    finally:
+        w.close()
+
+
+def test_only_a_target_may_leave_the_epoch_open_a_handle_may_not(shm: ShmPool) -> None:
+    """A handle without epoch is stale or forged: it takes no cached peer and fails its
+    handshake (only :meth:`Consumer.prepare`'s target means "whichever P answers")."""
+    w = World(p_memory=shm)
+    try:
+        d = w.consumers[0]
+        load_one(w, "r1")
+        handle = w.request("r2", 45)[0]
+        blank = msgspec.structs.replace(handle, epoch="")
+        assert d.peers.ready(blank) is None
+        with pytest.raises(PeerError, match="stale or forged"):
+            d.peers.get(blank)
     finally:
         w.close()

@@ -67,7 +67,9 @@ def test_prepare_lists_p_instances_as_engine_id_at_endpoint() -> None:
     assert cfg.prepare == (("p0", "tcp://10.0.0.7:5600"), ("p1", "tcp://10.0.0.8:5600"))
     one = read_config(kv(prepare="p0@tcp://h:1,p1@tcp://h:2"))
     assert one.prepare == (("p0", "tcp://h:1"), ("p1", "tcp://h:2"))
-    assert read_config(kv()).prepare == ()
-    for bad in (["tcp://h:1"], ["p0@h:1"], ["@tcp://h:1"], 7):
+    assert read_config(kv()).prepare == () == read_config(kv(prepare="")).prepare
+    assert read_config(kv(prepare="p0@tcp://h:1,")).prepare == (("p0", "tcp://h:1"),)
+    assert read_config(kv(prepare=["a@b@tcp://h:1"])).prepare == (("a@b", "tcp://h:1"),)
+    for bad in (["tcp://h:1"], ["p0@h:1"], ["@tcp://h:1"], 7, ["p@tcp://a:1", "p@tcp://b:1"]):
         with pytest.raises(ConfigError, match="prepare"):
             read_config(kv(prepare=bad))

@@ -1,7 +1,7 @@
 """``prepare`` in real vLLM: a D engine configured with a P instance
-(``kv_connector_extra_config.prepare``) connects to it at start-up, and its first request
-from that P loads over the prepared peer (no handshake of its own), token for token
-against P's colocated run."""
+(``kv_connector_extra_config.prepare``) connects to it at its first step (not while vLLM
+starts: CUDA graph capture), and its first request from that P loads over the prepared
+peer (no handshake of its own), token for token against P's colocated run."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def test_a_prepared_p_serves_ds_first_request_without_a_handshake(
     extra = {"prepare": [f"{h.engine_id}@{h.endpoint}"]}
     d = start(models, "llama", "llama-prepared", block_size=128, cpus="1", extra=extra)
     try:
+        assert d.rpc(connector_peers)[0] == {}  # not at registration: at the first step
+        d.generate(prompts(9, (8,)), 1)  # a local request: D's first step
         deadline = time.monotonic() + 60
         while not (held := d.rpc(connector_peers)[0]) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -132,6 +132,7 @@ class Consumer:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvbridge-d{rank}")
         self._free = workers  # minus loads queued or running: inline only if one is idle
         self._tell_p = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-fail")
+        self._prep = ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-d{rank}-prep")
         self._stop = threading.Event()
         renew = (self._stop, self._waiting)
         self._renewer = threading.Thread(target=self.leases.renew_loop, args=renew, daemon=True)
@@ -195,8 +196,9 @@ class Consumer:
     def prepare(self, endpoint: str, engine_id: str) -> Future[str]:
         """Connect to the P instance ``engine_id`` at ``endpoint`` before its first
         request, in a worker (:mod:`kvbridge.connector.prepare`): its first load then
-        costs what a warm one does. The future's result: the P epoch prepared."""
-        return self._pool.submit(prepare, self, Target(engine_id, endpoint))
+        costs what a warm one does (same node: no NIXL connection to make). The future's
+        result: the P epoch prepared. Its own thread: loads never wait behind it."""
+        return self._prep.submit(prepare, self, Target(engine_id, endpoint))
 
     def release(self, handle: TransferHandle) -> None:
         """Tell P this rank needs none of ``handle``'s blocks (D computed or cached them
@@ -392,6 +394,7 @@ class Consumer:
                 with contextlib.suppress(Exception):
                     fn()
         self._tell_p.shutdown(wait=False, cancel_futures=True)
+        self._prep.shutdown(wait=True, cancel_futures=True)
         self.peers.close()
         if self.kernel is not None:
             self.kernel.close()

@@ -180,11 +180,12 @@ def _offsets(off: Offsets, device: torch.device) -> torch.Tensor:
     if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TransportError(f"offsets must be 1-D integers, not {t.dtype} {tuple(t.shape)}")
     if device.type == "cuda" and t.device.type == "cpu":
-        # pinned, then queued on the current stream without waiting for it: a blocking
-        # copy from pageable memory would wait for every copy queued before it (the
-        # caching host allocator keeps the pinned block until the copy ran)
-        t = t.to(dtype=torch.int64).pin_memory()
-        return t.to(device=device, non_blocking=True)
+        # copied into a new pinned block, then queued on the current stream without
+        # waiting for it: a blocking copy from pageable memory would wait for every copy
+        # queued before it (the caching host allocator keeps the block until it ran)
+        pinned = torch.empty(t.shape, dtype=torch.int64, pin_memory=True)
+        pinned.copy_(t)
+        return pinned.to(device=device, non_blocking=True)
     return t.to(device=device, dtype=torch.int64)
 
 

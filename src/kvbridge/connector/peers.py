@@ -91,6 +91,12 @@ class Target:
     epoch: str = ""
 
 
+def _any(handle: TransferHandle | Target) -> str | None:
+    """The epoch that stands for any: "" in a :class:`Target` only (a handle without
+    epoch is stale or forged)."""
+    return "" if isinstance(handle, Target) else None
+
+
 class PeerCache:
     """D's peers by engine id: at most ``max_peers`` kept (least recently used and idle
     ones evicted), one handshake at a time per engine id (others wait for it, loads to
@@ -157,7 +163,7 @@ class PeerCache:
         while True:
             with self._lock:
                 peer = self._peers.get(eid)
-                if peer is not None and handle.epoch in (peer.epoch, ""):
+                if peer is not None and handle.epoch in (peer.epoch, _any(handle)):
                     self._peers[eid] = self._peers.pop(eid)  # most recently used
                     peer.users += 1
                     return peer
@@ -231,7 +237,8 @@ class PeerCache:
             raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
         if reply.version != PROTOCOL_VERSION:
             raise IncompatibleError(f"P speaks protocol {reply.version}, D {PROTOCOL_VERSION}")
-        if (reply.engine_id, reply.epoch) != (handle.engine_id, handle.epoch or reply.epoch):
+        want = reply.epoch if handle.epoch == _any(handle) else handle.epoch
+        if (reply.engine_id, reply.epoch) != (handle.engine_id, want):
             raise PeerError(
                 f"{handle.endpoint} is {reply.engine_id!r} epoch {reply.epoch!r}; the handle "
                 f"names {handle.engine_id!r} epoch {handle.epoch!r} (stale or forged handle)"

@@ -1,14 +1,15 @@
 """A P instance prepared before its first request (:meth:`Consumer.prepare`): what a new
 pair's first load would otherwise pay inside that request (``docs/performance.md``,
-"First load on a new pair") is paid ahead, in a worker: the handshake (NIXL peers and the
-pair's geometry), the kernel mover's mapping of P's memory and its geometry over it, the
-fast channel's connection, and one throwaway plan (the planner's first-call costs)."""
+"First load on a new pair") is paid ahead, on a thread of its own: the handshake (NIXL
+peers and the pair's geometry), the fast channel's connection, the kernel mover's mapping
+of P's memory and its geometry over it, and one throwaway plan (the planner's first
+calls). Not the first NIXL transfer on the pair (pull and push pay its set-up)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.peers import Target
+from kvbridge.connector.peers import Peer, Target
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
 from kvbridge.errors import PeerError
 from kvbridge.plan.tables import checked_tables
@@ -19,23 +20,38 @@ if TYPE_CHECKING:
 
 def prepare(d: Consumer, target: Target) -> str:
     """Make ``target`` ready for loads that start on the engine's thread → the P epoch
-    prepared (a later handle of another epoch handshakes again). Typed errors as a load's
+    prepared (a later handle of another epoch handshakes again). A peer cached for an
+    epoch P no longer answers with (P restarted) is replaced. Typed errors as a load's
     handshake would raise them (P down, another engine id, another model)."""
     peer = d.peers.get(target)
     try:
+        epoch = _hello(d, peer, target)
+        if epoch is not None and epoch != peer.epoch:  # cached, but P restarted since
+            old, peer = peer, d.peers.get(Target(target.engine_id, target.endpoint, epoch))
+            d.peers.done(old)
+            _hello(d, peer, target)
         over = d.kernel.geometry(peer)[0] if d.kernel is not None else None
         geometry = over.geometry if over is not None else peer.geometry
-        groups = len(d.spec.groups)
-        ones = [[0]] * groups
+        ones = [[0]] * len(d.spec.groups)
         geometry.plan(1, ones, checked_tables(ones, d.peers.bound.layout.num_blocks, "D's"))
-        assert peer.fast is not None  # connected by a call, never waited for (it is in use)
-        answer = peer.fast.try_send(Handshake(PROTOCOL_VERSION, d.engine_id))
-        reply = answer() if answer is not None else None
-        if answer is not None and not isinstance(reply, HandshakeReply):
-            raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
         return peer.epoch
     finally:
         d.peers.done(peer)
+
+
+def _hello(d: Consumer, peer: Peer, target: Target) -> str | None:
+    """A handshake over ``peer``'s fast channel (it connects it) → the epoch P answers
+    with; None where the channel is in use (connected, then) and nothing was asked."""
+    assert peer.fast is not None
+    answer = peer.fast.try_send(Handshake(PROTOCOL_VERSION, d.engine_id))
+    if answer is None:
+        return None
+    reply = answer()
+    if not isinstance(reply, HandshakeReply):
+        raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
+    if reply.engine_id != target.engine_id:
+        raise PeerError(f"{target.endpoint} is {reply.engine_id!r}, not {target.engine_id!r}")
+    return reply.epoch
 
 
 __all__ = ["prepare"]

@@ -168,13 +168,17 @@ def _peers(value: Any) -> tuple[tuple[str, str], ...]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple):
         raise ValueError(f"prepare: a list of 'engine_id@tcp://host:port', not {value!r}")
-    out = []
-    for item in items:
-        eid, at, endpoint = str(item).strip().partition("@")
+    out: dict[str, str] = {}
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        eid, at, endpoint = item.rpartition("@")
         if not (eid and at and endpoint.startswith("tcp://")):
             raise ValueError(f"prepare: {item!r} is not 'engine_id@tcp://host:port'")
-        out.append((eid, endpoint))
-    return tuple(out)
+        if eid in out:
+            raise ValueError(f"prepare: engine id {eid!r} named twice")
+        out[eid] = endpoint
+    return tuple(out.items())
 
 
 def check_keys(path: str, engine_id: str) -> Keys:

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 def _prepared(engine_id: str, done: Future[str]) -> None:
     """Log how preparing P ``engine_id`` ended (a failure costs its first request only)."""
+    if done.cancelled():  # the consumer closed first
+        return
     exc = done.exception()
     if exc is not None:
         log.warning("kvbridge: preparing P %s failed: %s", engine_id, exc)
@@ -55,6 +57,9 @@ class WorkerSide:
         """P: this rank's push refusals by cause, as of the last report."""
         self.splits: tuple[int, ...] = (1,) * len(cache.spec.groups)
         """Per group: described blocks per vLLM block (set by :meth:`register`)."""
+        self._to_prepare = list(cfg.prepare) if cfg.consumer else []
+        """P instances to prepare at the first step (not at registration: vLLM may be
+        capturing CUDA graphs then, and mapping P's memory must not run meanwhile)."""
 
     def _transport(self, role: str) -> Transport:
         name = f"kvb-{role}-{self.cfg.engine_id}-{self.rank}-{secrets.token_hex(3)}"
@@ -93,8 +98,6 @@ class WorkerSide:
                 memory=placed.memory,
                 device=placed.device,
             )
-            for eid, endpoint in self.cfg.prepare:  # in a worker: start-up goes on
-                self.consumer.prepare(endpoint, eid).add_done_callback(partial(_prepared, eid))
 
     def written(self, meta: StepMeta) -> None:
         """P: return once this step's KV writes are complete (device memory: everything
@@ -107,6 +110,10 @@ class WorkerSide:
         return RankMeta(encode_info(self.producer.info)) if self.producer else None
 
     def start(self, meta: StepMeta) -> None:
+        if self._to_prepare and self.consumer is not None:  # on its own thread
+            for eid, endpoint in self._to_prepare:
+                self.consumer.prepare(endpoint, eid).add_done_callback(partial(_prepared, eid))
+            self._to_prepare = []
         first = self.rank == 0  # every rank sees the same lease; count it once
         for request_id, ended in meta.freed:
             self._sent.add(request_id)
