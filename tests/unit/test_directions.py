@@ -4,12 +4,13 @@ transport whose READs are slow stands in for that pair; bytes stay byte-exact ei
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
 
 from kvbridge.connector.load import Mode
-from kvbridge.connector.movers import MARGIN, Directions
+from kvbridge.connector.movers import MARGIN, PROBE_ROUNDS, PROBE_TIMEOUT_S, Directions
 from kvbridge.transport.base import XferHandle
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import World, check_bytes
@@ -78,3 +79,26 @@ def test_the_choice_needs_a_clear_margin() -> None:
     assert Directions(1 << 20, 0.01, 1.0).choice()[0] is Mode.PULL
     mode, why = Directions(0, 0.0, 0.0, "probe failed: x").choice()
     assert mode is Mode.PULL and "probe failed" in why
+
+
+def test_the_whole_probe_has_one_deadline() -> None:
+    """READs of 50 ms each: every wait of the probe gets what is left of one
+    ``PROBE_TIMEOUT_S``, never a full timeout of its own (a stalled P costs the first
+    load one probe timeout at most, not one per transfer)."""
+    w = World(mode=Mode.AUTO, d_transport=SlowReads)
+    try:
+        d = w.consumers[0]
+        given: list[float] = []
+        real = d.transport.wait
+
+        def wait(handle, timeout):  # type: ignore[no-untyped-def]
+            given.append(timeout)
+            return real(handle, timeout)
+
+        d.transport.wait = wait  # type: ignore[method-assign]
+        load(w, "a")
+        probe = given[:PROBE_ROUNDS]  # the probe's READs come first
+        assert all(b < a - 0.04 for a, b in itertools.pairwise(probe)), probe
+        assert probe[0] <= PROBE_TIMEOUT_S
+    finally:
+        w.close()

@@ -4,7 +4,7 @@ them in ``order`` and the first that serves moves the load (``Outcome.mover``). 
 pull is measured once per P epoch: D READs up to PROBE_BYTES of a P rank's first region
 into a staging slot, then asks that rank to WRITE the same bytes there, ``PROBE_ROUNDS``
 times in turn, and keeps each direction's fastest; push wins when WRITE took less than
-1/``MARGIN`` of READ's time. A probe still running at its deadline
+1/``MARGIN`` of READ's time, all within ``PROBE_TIMEOUT_S``. A probe still running at its deadline
 keeps the slot out of the pool.
 """
 
@@ -205,12 +205,13 @@ def measure(d: Consumer, peer: Peer, src: int) -> Directions:
         one = np.ones(1, np.uint64)
         local, remote, n = one * at, one * info.bases[0], one * size
         read_s = write_s = float("inf")
+        end = time.monotonic() + PROBE_TIMEOUT_S  # the whole probe's, not each transfer's
         for _ in range(PROBE_ROUNDS):  # interleaved; the first of each pays the pair's set-up
             t0 = time.perf_counter()
             handle = d.transport.read(peer.agents[src], local, remote, n)
-            d.transport.wait(handle, PROBE_TIMEOUT_S)
+            d.transport.wait(handle, max(end - time.monotonic(), 0.001))
             read_s = min(read_s, time.perf_counter() - t0)
-            write_s = min(write_s, _write(d, peer, src, (local, remote, n)))
+            write_s = min(write_s, _write(d, peer, src, (local, remote, n), end))
         clean = True
     except KVBridgeError as exc:
         return Directions(size, float("inf"), float("inf"), f"probe failed: {exc}")
@@ -220,9 +221,14 @@ def measure(d: Consumer, peer: Peer, src: int) -> Directions:
 
 
 def _write(
-    d: Consumer, peer: Peer, src: int, runs: tuple[np.ndarray, np.ndarray, np.ndarray]
+    d: Consumer,
+    peer: Peer,
+    src: int,
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    end: float,
 ) -> float:
-    """Seconds from asking P rank ``src`` to write ``runs`` (local = D) to their landing."""
+    """Seconds from asking P rank ``src`` to write ``runs`` (local = D) to their landing,
+    which must come before ``end`` (``time.monotonic()``)."""
     local, remote, n = (a.astype("<u8").tobytes() for a in runs)
     notif = f"kvb-probe:{secrets.token_hex(8)}".encode()
     probe = PushRuns(
@@ -231,7 +237,7 @@ def _write(
     )  # fmt: skip
     t0 = time.perf_counter()
     reply_runs(peer.rank_client(src).call(probe), "probe")
-    d.await_notifs({notif}, time.monotonic() + PROBE_TIMEOUT_S)
+    d.await_notifs({notif}, end)
     return time.perf_counter() - t0
 
 
