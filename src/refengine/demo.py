@@ -108,6 +108,10 @@ def serve(
         t0 = time.perf_counter()
         with closing(DecodeServer(cfg, d_side, secret, mode)) as d:
             say(f"D ready: {_procs(d_side.world)} ({time.perf_counter() - t0:.1f} s)")
+            assert p.producer is not None
+            t0 = time.perf_counter()
+            d.prepare(p.producer.endpoint, p.engine_id)  # not in the first request
+            say(f"D prepared for P {p.engine_id} ({(time.perf_counter() - t0) * 1e3:.0f} ms)")
             router = Router(p, d)
             return [
                 _one(router, cfg, r, n_new, f"[{i}/{len(requests)}]", say)

@@ -75,8 +75,8 @@ def render_text(s: Summary) -> str:
         f"({s.new_tokens} tokens each); {s.wall_s:.1f} s in all"
     )
     lines.append(
-        "latency ms: load to outcome (lease held), slowest D rank (the first includes the "
-        "handshake); GB/s = bytes / latency"
+        "latency ms: load to outcome (lease held), slowest D rank (D prepared for P before "
+        "the first: handshake and NIXL connections); GB/s = bytes / latency"
     )
     if any(r.latency_bound for r in s.rows):
         lines.append(

@@ -37,6 +37,7 @@ from refengine.messages import (
     KVInfo,
     Loaded,
     LoadKV,
+    PrepareKV,
     Reply,
     ServeKV,
 )
@@ -64,6 +65,9 @@ class RankKV:
             return self.consume(cmd)
         if isinstance(cmd, LoadKV):
             return self.load(cmd)
+        if isinstance(cmd, PrepareKV):
+            self._consumer().prepare(cmd.endpoint, cmd.engine_id).result(cmd.timeout_s)
+            return Ack()
         return self.await_outcome(cmd)
 
     def serve(self, cmd: ServeKV) -> KVInfo:

@@ -75,6 +75,17 @@ class ConsumeKV:
 
 
 @dataclass(frozen=True, slots=True)
+class PrepareKV:
+    """D rank: connect the consumer to the P instance ``engine_id`` at ``endpoint`` before
+    its first request (:meth:`kvbridge.api.Consumer.prepare`); reply :class:`Ack` once
+    done (a failure: :class:`Failed`)."""
+
+    endpoint: str
+    engine_id: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class LoadKV:
     """D rank: load ``job``'s handle into its tables (block ids per group) after the
     ``cached`` tokens D already has; reply :class:`Ack`."""
@@ -122,6 +133,6 @@ class Loaded:
     outcome: Outcome
 
 
-KVCommand = ServeKV | ConsumeKV | LoadKV | AwaitKV
+KVCommand = ServeKV | ConsumeKV | PrepareKV | LoadKV | AwaitKV
 Command = Extend | Stop | KVCommand
 Reply = Regions | Sampled | Failed | KVInfo | Ack | Loaded

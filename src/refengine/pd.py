@@ -42,7 +42,7 @@ from kvbridge.api import (
 from refengine.config import ModelConfig
 from refengine.errors import EngineError
 from refengine.instance import Instance
-from refengine.messages import AwaitKV, ConsumeKV, KVInfo, Loaded, LoadKV, ServeKV
+from refengine.messages import AwaitKV, ConsumeKV, KVInfo, Loaded, LoadKV, PrepareKV, ServeKV
 
 HANDSHAKE_SLACK_S = 15.0
 """Added to the transfer deadline when waiting for a load: handshake and lease calls."""
@@ -171,6 +171,11 @@ class DecodeServer:
         except BaseException:
             self.engine.close()
             raise
+
+    def prepare(self, endpoint: str, engine_id: str) -> None:
+        """Every D rank connects to the P instance ``engine_id`` at ``endpoint`` now, not
+        in its first request (:meth:`kvbridge.api.Consumer.prepare`)."""
+        self.engine.call_ranks(PrepareKV(endpoint, engine_id, self.await_s))
 
     def decode(
         self, req_id: str, prompt: Sequence[int], handle: bytes, n_new: int, n_cached: int = 0

@@ -194,6 +194,7 @@ def test_demo_quick_json_exits_0_with_all_outputs_matching() -> None:
     cmd = [sys.executable, "-m", "kvbridge.cli.main", "demo", "--quick", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "D prepared for P P-" in done.stderr  # before the first request, over NIXL
     summary = json.loads(done.stdout)
     assert summary["all_match"] is True and len(summary["requests"]) == demo_cmd.QUICK + 1
     for r in summary["requests"]:

@@ -6,8 +6,10 @@ consumer serving on after them."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
+from kvbridge.connector.load import Mode
 from kvbridge.errors import PeerError, TransportError
 from tests.unit.test_connector_loopback import World, check_bytes
 from tests.unit.test_kernel_mover import ShmPool, _landed, load_one, shm
@@ -116,5 +118,47 @@ def test_only_a_target_may_leave_the_epoch_open_a_handle_may_not(shm: ShmPool) -
         assert d.peers.ready(blank) is None
         with pytest.raises(PeerError, match="stale or forged"):
             d.peers.get(blank)
+    finally:
+        w.close()
+
+
+def test_a_pair_served_over_nixl_gets_its_connections_made_ahead() -> None:
+    """P's memory not mapped here (loads pull over NIXL): prepare READs once from each
+    source rank (P serves no push channel in pull mode), into a staging slot, never a
+    KV block (D's bytes unchanged); the first load is byte-exact and pulls."""
+    w = World()
+    try:
+        d = w.consumers[0]
+        reads: list[str] = []
+        real = d.transport.read
+
+        def read(peer, *a, **k):  # type: ignore[no-untyped-def]
+            reads.append(peer)
+            return real(peer, *a, **k)
+
+        d.transport.read = read  # type: ignore[method-assign]
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        d.prepare(w.producer.endpoint, "P").result(timeout=10)
+        peer = d.peers.known(w.request("probe", 8)[0])
+        assert peer is not None and sorted(reads) == sorted(peer.agents.values())
+        assert all(np.array_equal(a, b) for a, b in zip(w.d.bufs[0], before[0], strict=True))
+        out = load_one(w, "r1")
+        assert out.mover == "pull" and "handoff" in out.stages
+    finally:
+        w.close()
+
+
+def test_auto_measures_the_direction_in_prepare_not_in_the_first_load(monkeypatch) -> None:
+    from kvbridge.connector import movers
+
+    w = World(mode=Mode.AUTO)
+    try:
+        d = w.consumers[0]
+        d.prepare(w.producer.endpoint, "P").result(timeout=10)
+        assert len(d.directions) == 1
+        calls = []
+        monkeypatch.setattr(movers, "measure", lambda *a: calls.append(a))
+        out = load_one(w, "r1")
+        assert "measured READ" in out.reason and not calls, out.reason
     finally:
         w.close()

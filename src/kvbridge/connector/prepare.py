@@ -2,13 +2,17 @@
 pair's first load would otherwise pay inside that request (``docs/performance.md``,
 "First load on a new pair") is paid ahead, on a thread of its own: the handshake (NIXL
 peers and the pair's geometry), the fast channel's connection, the kernel mover's mapping
-of P's memory and its geometry over it, and one throwaway plan (the planner's first
-calls). Not the first NIXL transfer on the pair (pull and push pay its set-up)."""
+of P's memory and its geometry over it, or, where loads go over NIXL, its connections
+(and AUTO's measurement), and one throwaway plan (the planner's first calls)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from kvbridge.connector.load import Mode
+from kvbridge.connector.movers import PROBE_TIMEOUT_S, measure
 from kvbridge.connector.peers import Peer, Target
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
 from kvbridge.errors import PeerError
@@ -32,11 +36,50 @@ def prepare(d: Consumer, target: Target) -> str:
             _hello(d, peer, target)
         over = d.kernel.geometry(peer)[0] if d.kernel is not None else None
         geometry = over.geometry if over is not None else peer.geometry
+        if over is None:  # loads go over NIXL: its connections made now, AUTO measured
+            _connect(d, peer)
         ones = [[0]] * len(d.spec.groups)
         geometry.plan(1, ones, checked_tables(ones, d.peers.bound.layout.num_blocks, "D's"))
         return peer.epoch
     finally:
         d.peers.done(peer)
+
+
+def _connect(d: Consumer, peer: Peer) -> None:
+    """Each source rank's NIXL connections made ahead: the direction probe (a READ and a
+    WRITE into a staging slot, never a KV block; in :attr:`Mode.AUTO` its result is the
+    pair's, :func:`~kvbridge.connector.movers.direction`), or where P serves no push
+    channel one small READ. Nothing without a staging slot to land in."""
+    if d.stager is None:
+        return
+    for src in sorted(peer.agents):
+        with d.measuring:
+            found = measure(d, peer, src)
+            key = (peer.engine_id, peer.epoch)
+            if d.mode is Mode.AUTO and key not in d.directions and not found.note:
+                d.directions[key] = found
+        if found.nbytes == 0:  # no WRITE to ask for: a READ alone
+            _read(d, peer, src)
+
+
+def _read(d: Consumer, peer: Peer, src: int) -> None:
+    """One READ of up to 4 KiB of P rank ``src``'s first region into a staging slot."""
+    info, pool = peer.ranks.get(src), d.stager.pool if d.stager else None
+    if info is None or not info.regions or pool is None:
+        return
+    slot = pool.take(PROBE_TIMEOUT_S)
+    if slot is None:
+        return
+    clean = False
+    try:
+        one = np.ones(1, np.uint64)
+        at = pool.region.addr + slot * pool.slot_bytes
+        n = min(4096, pool.slot_bytes, info.regions[0])
+        handle = d.transport.read(peer.agents[src], one * at, one * info.bases[0], one * n)
+        d.transport.wait(handle, PROBE_TIMEOUT_S)
+        clean = True
+    finally:
+        pool.give_back(slot, clean)
 
 
 def _hello(d: Consumer, peer: Peer, target: Target) -> str | None:
