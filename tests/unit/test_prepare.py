@@ -162,3 +162,26 @@ def test_auto_measures_the_direction_in_prepare_not_in_the_first_load(monkeypatc
         assert "measured READ" in out.reason and not calls, out.reason
     finally:
         w.close()
+
+
+def test_push_mode_prepares_with_the_probe_both_ways_and_keeps_no_direction() -> None:
+    """Push: P's WRITEs are what loads use, so prepare runs the probe (READs and P's
+    WRITEs into a staging slot) against every source rank; only AUTO keeps its result."""
+    w = World(mode=Mode.PUSH)
+    try:
+        d = w.consumers[0]
+        reads: list[str] = []
+        real = d.transport.read
+
+        def read(peer, *a, **k):  # type: ignore[no-untyped-def]
+            reads.append(peer)
+            return real(peer, *a, **k)
+
+        d.transport.read = read  # type: ignore[method-assign]
+        d.prepare(w.producer.endpoint, "P").result(timeout=10)
+        peer = d.peers.known(w.request("probe", 8)[0])
+        assert peer is not None and not d.directions
+        assert sorted(reads) == sorted(list(peer.agents.values()) * 3)  # PROBE_ROUNDS each
+        assert load_one(w, "r1").mover == "push"
+    finally:
+        w.close()

@@ -46,13 +46,17 @@ def prepare(d: Consumer, target: Target) -> str:
 
 
 def _connect(d: Consumer, peer: Peer) -> None:
-    """Each source rank's NIXL connections made ahead: the direction probe (a READ and a
-    WRITE into a staging slot, never a KV block; in :attr:`Mode.AUTO` its result is the
-    pair's, :func:`~kvbridge.connector.movers.direction`), or where P serves no push
-    channel one small READ. Nothing without a staging slot to land in."""
+    """Each source rank's NIXL connections made ahead, into a staging slot (never a KV
+    block): pull, one small READ; push and AUTO, the direction probe (a READ, and P's
+    WRITE where it serves a push channel, else a READ alone; in :attr:`Mode.AUTO` its
+    result is the pair's, :func:`~kvbridge.connector.movers.direction`). Nothing
+    without a staging slot to land in."""
     if d.stager is None:
         return
     for src in sorted(peer.agents):
+        if d.mode is Mode.PULL:
+            _read(d, peer, src)
+            continue
         with d.measuring:
             found = measure(d, peer, src)
             key = (peer.engine_id, peer.epoch)
