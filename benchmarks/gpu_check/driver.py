@@ -309,7 +309,9 @@ class CaseRun:
 
     def prepare(self) -> None:
         assert self.producer is not None
-        timeout = self.opts.call_timeout_s - 10.0  # a rank's own, within the call's
+        left = self.deadline + 30.0 - time.monotonic()  # as ask() bounds the call
+        call = min(self.opts.call_timeout_s, max(left, 5.0))
+        timeout = max(call - 10.0, 1.0)  # the rank's own, so it answers within the call
         cmd = m.Prepare(self.producer.endpoint, self.producer.engine_id, timeout)
         self.res.prepare_s = max(self.every("D", cmd))
 

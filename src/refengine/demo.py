@@ -110,8 +110,12 @@ def serve(
             say(f"D ready: {_procs(d_side.world)} ({time.perf_counter() - t0:.1f} s)")
             assert p.producer is not None
             t0 = time.perf_counter()
-            d.prepare(p.producer.endpoint, p.engine_id)  # not in the first request
-            say(f"D prepared for P {p.engine_id} ({(time.perf_counter() - t0) * 1e3:.0f} ms)")
+            failed = d.prepare(p.producer.endpoint, p.engine_id)  # not in the first request
+            ms = (time.perf_counter() - t0) * 1e3
+            if failed:  # the first request connects itself
+                say(f"D could not prepare for P {p.engine_id} ({ms:.0f} ms): {failed[0]}")
+            else:
+                say(f"D prepared for P {p.engine_id} ({ms:.0f} ms)")
             router = Router(p, d)
             return [
                 _one(router, cfg, r, n_new, f"[{i}/{len(requests)}]", say)

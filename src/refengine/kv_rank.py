@@ -37,6 +37,7 @@ from refengine.messages import (
     KVInfo,
     Loaded,
     LoadKV,
+    Prepared,
     PrepareKV,
     Reply,
     ServeKV,
@@ -66,8 +67,7 @@ class RankKV:
         if isinstance(cmd, LoadKV):
             return self.load(cmd)
         if isinstance(cmd, PrepareKV):
-            self._consumer().prepare(cmd.endpoint, cmd.engine_id).result(cmd.timeout_s)
-            return Ack()
+            return self.prepare(cmd)
         return self.await_outcome(cmd)
 
     def serve(self, cmd: ServeKV) -> KVInfo:
@@ -93,6 +93,14 @@ class RankKV:
             mode=cmd.mode,
         )
         return Ack()
+
+    def prepare(self, cmd: PrepareKV) -> Prepared:
+        done = self._consumer().prepare(cmd.endpoint, cmd.engine_id)
+        try:
+            done.result(cmd.timeout_s)
+            return Prepared()
+        except Exception as e:  # P down, too slow: not this rank's failure
+            return Prepared(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
     def load(self, cmd: LoadKV) -> Ack:
         handle = decode_handle(cmd.job.handle)

@@ -77,8 +77,8 @@ class ConsumeKV:
 @dataclass(frozen=True, slots=True)
 class PrepareKV:
     """D rank: connect the consumer to the P instance ``engine_id`` at ``endpoint`` before
-    its first request (:meth:`kvbridge.api.Consumer.prepare`); reply :class:`Ack` once
-    done (a failure: :class:`Failed`)."""
+    its first request (:meth:`kvbridge.api.Consumer.prepare`), waiting up to
+    ``timeout_s``; reply :class:`Prepared` (a failure there is not the rank's)."""
 
     endpoint: str
     engine_id: str
@@ -129,10 +129,18 @@ class Ack:
 
 
 @dataclass(frozen=True, slots=True)
+class Prepared:
+    """What :class:`PrepareKV` did: ``error`` "" if it prepared, else why not (the first
+    request then connects itself)."""
+
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Loaded:
     outcome: Outcome
 
 
 KVCommand = ServeKV | ConsumeKV | PrepareKV | LoadKV | AwaitKV
 Command = Extend | Stop | KVCommand
-Reply = Regions | Sampled | Failed | KVInfo | Ack | Loaded
+Reply = Regions | Sampled | Failed | KVInfo | Ack | Loaded | Prepared

@@ -42,7 +42,16 @@ from kvbridge.api import (
 from refengine.config import ModelConfig
 from refengine.errors import EngineError
 from refengine.instance import Instance
-from refengine.messages import AwaitKV, ConsumeKV, KVInfo, Loaded, LoadKV, PrepareKV, ServeKV
+from refengine.messages import (
+    AwaitKV,
+    ConsumeKV,
+    KVInfo,
+    Loaded,
+    LoadKV,
+    Prepared,
+    PrepareKV,
+    ServeKV,
+)
 
 HANDSHAKE_SLACK_S = 15.0
 """Added to the transfer deadline when waiting for a load: handshake and lease calls."""
@@ -172,10 +181,12 @@ class DecodeServer:
             self.engine.close()
             raise
 
-    def prepare(self, endpoint: str, engine_id: str) -> None:
+    def prepare(self, endpoint: str, engine_id: str) -> list[str]:
         """Every D rank connects to the P instance ``engine_id`` at ``endpoint`` now, not
-        in its first request (:meth:`kvbridge.api.Consumer.prepare`)."""
-        self.engine.call_ranks(PrepareKV(endpoint, engine_id, self.await_s))
+        in its first request (:meth:`kvbridge.api.Consumer.prepare`) → per rank that
+        could not, why (its first request then connects itself)."""
+        replies = self.engine.call_ranks(PrepareKV(endpoint, engine_id, self.await_s))
+        return [r.error for r in replies if isinstance(r, Prepared) and r.error]
 
     def decode(
         self, req_id: str, prompt: Sequence[int], handle: bytes, n_new: int, n_cached: int = 0

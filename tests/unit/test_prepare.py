@@ -94,7 +94,9 @@ def test_preparing_again_after_p_restarted_replaces_the_cached_peer(shm: ShmPool
         d = w.consumers[0]
         assert d.prepare(w.producer.endpoint, "P").result(timeout=10) == w.producer.epoch
         w.producer.epoch = "restarted"
+        old = d.peers.known(w.request("before", 8)[0])
         assert d.prepare(w.producer.endpoint, "P").result(timeout=10) == "restarted"
+        assert old is not None and old.users == 0 and not d.peers._stale  # dropped
         handle = w.request("r1", 45)[0]
         peer = d.peers.ready(handle)
         assert peer is not None and peer.epoch == "restarted"
@@ -183,5 +185,54 @@ def test_push_mode_prepares_with_the_probe_both_ways_and_keeps_no_direction() ->
         assert peer is not None and not d.directions
         assert sorted(reads) == sorted(list(peer.agents.values()) * 3)  # PROBE_ROUNDS each
         assert load_one(w, "r1").mover == "push"
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("mode", [Mode.PULL, Mode.PUSH, Mode.AUTO])
+def test_a_stalled_p_costs_prepare_one_staging_slot_at_most_and_no_failure(mode: Mode) -> None:
+    """Both P ranks' transfers stall: the first rank's warm-up times out, prepare stops
+    there (logged) and still returns the epoch; at most one slot stays out of the pool
+    (a READ may yet land in it), AUTO keeps no direction, and once P moves again a load
+    goes through."""
+    w = World(mode=mode, timeout_s=1.0)
+    try:
+        d = w.consumers[0]
+        assert d.stager is not None
+        for agent in ("p0", "p1"):
+            d.transport.stall(agent)  # type: ignore[attr-defined]
+        assert d.prepare(w.producer.endpoint, "P").result(timeout=30) == w.producer.epoch
+        assert d.stager.pool.quarantined <= 1 and not d.directions
+        for agent in ("p0", "p1"):
+            d.transport.resume(agent)  # type: ignore[attr-defined]
+        load_one(w, "r1")
+    finally:
+        w.close()
+
+
+def test_auto_loads_do_not_wait_behind_a_prepares_measurement(monkeypatch) -> None:
+    """Prepare measures outside the lock loads read the directions under: a load of a P
+    measured already takes its usual time while a prepare measures 2 s."""
+    import time
+
+    from kvbridge.connector import prepare as prepare_module
+    from kvbridge.connector.movers import Directions
+
+    w = World(mode=Mode.AUTO)
+    try:
+        d = w.consumers[0]
+        load_one(w, "warm")  # measured with this P
+
+        def slow(*_):  # type: ignore[no-untyped-def]
+            time.sleep(2.0)
+            return Directions(0, 0.0, 0.0, "slow")
+
+        monkeypatch.setattr(prepare_module, "measure", slow)
+        running = d.prepare(w.producer.endpoint, "P")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        load_one(w, "r1")
+        assert time.monotonic() - t0 < 1.5
+        running.result(timeout=10)
     finally:
         w.close()

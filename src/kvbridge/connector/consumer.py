@@ -65,11 +65,9 @@ class Consumer:
     require_prompt = False
     """Refuse a load without ``prompt``, or of a handle whose P named no prompt."""
     inline = True
-    """Start a load on the caller's thread where nothing there waits (P known, no
-    handshake, mapping or geometry to make, the peer's fast channel free): ``begin`` sent,
-    the plan made and, on a GPU, the kernel mover's copies launched before :meth:`load`
-    returns; a worker ends it. No queue hand-off before the first byte moves
-    (``docs/performance.md``). False: a worker does it all."""
+    """Start a load on the caller's thread where nothing there waits, a worker ending it
+    (:mod:`kvbridge.connector.inline`): no queue hand-off before the first byte moves.
+    False: a worker does it all."""
 
     def __init__(
         self,
@@ -195,9 +193,8 @@ class Consumer:
 
     def prepare(self, endpoint: str, engine_id: str) -> Future[str]:
         """Connect to the P instance ``engine_id`` at ``endpoint`` before its first
-        request, in a worker (:mod:`kvbridge.connector.prepare`): its first load then
-        costs what a warm one does (same node: no NIXL connection to make). The future's
-        result: the P epoch prepared. Its own thread: loads never wait behind it."""
+        request, on a thread of its own (:mod:`kvbridge.connector.prepare`): its first
+        load then costs what a warm one does. The future's result: the P epoch."""
         return self._prep.submit(prepare, self, Target(engine_id, endpoint))
 
     def release(self, handle: TransferHandle) -> None:
@@ -379,14 +376,17 @@ class Consumer:
         with self._lock:
             return [j for j in self._loads.values() if j.state in _WAITING and j.peer is None]
 
+    def closing(self) -> bool:
+        return self._stop.is_set()
+
     def close(self) -> None:
         self._stop.set()
+        self._prep.shutdown(wait=False, cancel_futures=True)  # a running one sees closing()
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:  # started on the caller's thread, then cancelled in the queue
             stranded = [j for j in self._loads.values() if j.started is not None]
         for job in stranded:
-            assert job.started is not None
-            abandon(self, job, job.started, lambda fn, *a: fn(*a))
+            abandon(self, job, job.started, lambda fn, *a: fn(*a))  # type: ignore[arg-type]
         self._renewer.join(timeout=2)
         for item in self.fence.close():
             log.warning("closing with %s still fenced", item.outcome.request_id)
@@ -394,7 +394,7 @@ class Consumer:
                 with contextlib.suppress(Exception):
                     fn()
         self._tell_p.shutdown(wait=False, cancel_futures=True)
-        self._prep.shutdown(wait=True, cancel_futures=True)
+        self._prep.shutdown(wait=True)
         self.peers.close()
         if self.kernel is not None:
             self.kernel.close()

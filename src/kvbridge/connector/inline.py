@@ -1,6 +1,8 @@
 """A load's start on the engine's thread (:attr:`Consumer.inline`): where nothing there
-waits, :meth:`Consumer.load` sends ``begin``, plans and launches an early mover before it
-returns, and a worker ends the load (``docs/performance.md``, "The queue hand-off")."""
+waits — a worker idle for it, P known (no handshake), no mapping or geometry to make,
+the peer's fast channel free — :meth:`Consumer.load` sends ``begin``, plans and, on a
+GPU, launches the kernel mover's copies before it returns, and a worker ends the load
+(``docs/performance.md``, "The queue hand-off")."""
 
 from __future__ import annotations
 

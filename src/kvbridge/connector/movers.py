@@ -206,7 +206,9 @@ def measure(d: Consumer, peer: Peer, src: int) -> Directions:
         local, remote, n = one * at, one * info.bases[0], one * size
         read_s = write_s = float("inf")
         end = time.monotonic() + PROBE_TIMEOUT_S  # the whole probe's, not each transfer's
-        for _ in range(PROBE_ROUNDS):  # interleaved; the first of each pays the pair's set-up
+        for i in range(PROBE_ROUNDS):  # interleaved; the first of each pays the pair's set-up
+            if i and time.monotonic() > end:  # what was measured so far
+                break
             t0 = time.perf_counter()
             handle = d.transport.read(peer.agents[src], local, remote, n)
             d.transport.wait(handle, max(end - time.monotonic(), 0.001))

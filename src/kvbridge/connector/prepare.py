@@ -7,6 +7,8 @@ of P's memory and its geometry over it, or, where loads go over NIXL, its connec
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,11 +17,13 @@ from kvbridge.connector.load import Mode
 from kvbridge.connector.movers import PROBE_TIMEOUT_S, measure
 from kvbridge.connector.peers import Peer, Target
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
-from kvbridge.errors import PeerError
+from kvbridge.errors import KVBridgeError, PeerError
 from kvbridge.plan.tables import checked_tables
 
 if TYPE_CHECKING:
     from kvbridge.connector.consumer import Consumer
+
+log = logging.getLogger(__name__)
 
 
 def prepare(d: Consumer, target: Target) -> str:
@@ -33,13 +37,16 @@ def prepare(d: Consumer, target: Target) -> str:
         if epoch is not None and epoch != peer.epoch:  # cached, but P restarted since
             old, peer = peer, d.peers.get(Target(target.engine_id, target.endpoint, epoch))
             d.peers.done(old)
+            with d.measuring:  # what was measured with the old epoch is no one's now
+                d.directions.pop((old.engine_id, old.epoch), None)
             _hello(d, peer, target)
         over = d.kernel.geometry(peer)[0] if d.kernel is not None else None
         geometry = over.geometry if over is not None else peer.geometry
         if over is None:  # loads go over NIXL: its connections made now, AUTO measured
             _connect(d, peer)
-        ones = [[0]] * len(d.spec.groups)
-        geometry.plan(1, ones, checked_tables(ones, d.peers.bound.layout.num_blocks, "D's"))
+        ids = [[g] for g in range(len(d.spec.groups))]  # distinct: groups may share a pool
+        with contextlib.suppress(KVBridgeError):  # a warm-up only (a pool of one block?)
+            geometry.plan(1, ids, checked_tables(ids, d.peers.bound.layout.num_blocks, "D's"))
         return peer.epoch
     finally:
         d.peers.done(peer)
@@ -49,41 +56,59 @@ def _connect(d: Consumer, peer: Peer) -> None:
     """Each source rank's NIXL connections made ahead, into a staging slot (never a KV
     block): pull, one small READ; push and AUTO, the direction probe (a READ, and P's
     WRITE where it serves a push channel, else a READ alone; in :attr:`Mode.AUTO` its
-    result is the pair's, :func:`~kvbridge.connector.movers.direction`). Nothing
-    without a staging slot to land in."""
+    result is the pair's, :func:`~kvbridge.connector.movers.direction`). The first rank
+    that does not answer ends it, logged: prepare still succeeds, at most one staging
+    slot stays out of the pool (a READ may yet land in it), and the first load meets P as
+    it would have. Nothing without a staging slot to land in, or once D closes."""
     if d.stager is None:
         return
     for src in sorted(peer.agents):
-        if d.mode is Mode.PULL:
-            _read(d, peer, src)
-            continue
+        if d.closing():
+            return
+        why = _read(d, peer, src) if d.mode is Mode.PULL else _probe(d, peer, src)
+        if why:
+            log.warning("preparing for P %s: rank %d not connected: %s", peer.engine_id, src, why)
+            return
+
+
+def _probe(d: Consumer, peer: Peer, src: int) -> str:
+    """The direction probe with P rank ``src`` (measured outside ``d.measuring``: loads
+    read the directions meanwhile) → why it failed ("": it did not)."""
+    found = measure(d, peer, src)
+    if found.note.endswith("serves no push channel"):
+        return _read(d, peer, src)
+    if found.note:
+        return found.note
+    if d.mode is Mode.AUTO:
         with d.measuring:
-            found = measure(d, peer, src)
-            key = (peer.engine_id, peer.epoch)
-            if d.mode is Mode.AUTO and key not in d.directions and not found.note:
-                d.directions[key] = found
-        if found.nbytes == 0:  # no WRITE to ask for: a READ alone
-            _read(d, peer, src)
+            d.directions.setdefault((peer.engine_id, peer.epoch), found)
+    return ""
 
 
-def _read(d: Consumer, peer: Peer, src: int) -> None:
-    """One READ of up to 4 KiB of P rank ``src``'s first region into a staging slot."""
+def _read(d: Consumer, peer: Peer, src: int) -> str:
+    """One READ of up to 4 KiB of P rank ``src``'s first region into a staging slot →
+    why it failed ("": it did not)."""
     info, pool = peer.ranks.get(src), d.stager.pool if d.stager else None
     if info is None or not info.regions or pool is None:
-        return
-    slot = pool.take(PROBE_TIMEOUT_S)
+        return ""
+    wait_s = min(PROBE_TIMEOUT_S, d.timeout_s)
+    slot = pool.take(wait_s)
     if slot is None:
-        return
-    clean = False
+        return "no free staging slot"
+    posted = done = False
     try:
         one = np.ones(1, np.uint64)
         at = pool.region.addr + slot * pool.slot_bytes
         n = min(4096, pool.slot_bytes, info.regions[0])
         handle = d.transport.read(peer.agents[src], one * at, one * info.bases[0], one * n)
-        d.transport.wait(handle, PROBE_TIMEOUT_S)
-        clean = True
+        posted = True
+        d.transport.wait(handle, wait_s)
+        done = True
+        return ""
+    except KVBridgeError as exc:
+        return str(exc)
     finally:
-        pool.give_back(slot, clean)
+        pool.give_back(slot, done or not posted)
 
 
 def _hello(d: Consumer, peer: Peer, target: Target) -> str | None:
