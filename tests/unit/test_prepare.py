@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.load import Mode
 from kvbridge.errors import PeerError, TransportError
 from tests.unit.test_connector_loopback import World, check_bytes
@@ -124,6 +125,19 @@ def test_only_a_target_may_leave_the_epoch_open_a_handle_may_not(shm: ShmPool) -
         w.close()
 
 
+def counted_reads(d: Consumer) -> list[str]:
+    """The peer of every READ ``d`` posts from now on."""
+    reads: list[str] = []
+    real = d.transport.read
+
+    def read(peer, *a, **k):  # type: ignore[no-untyped-def]
+        reads.append(peer)
+        return real(peer, *a, **k)
+
+    d.transport.read = read  # type: ignore[method-assign]
+    return reads
+
+
 def test_a_pair_served_over_nixl_gets_its_connections_made_ahead() -> None:
     """P's memory not mapped here (loads pull over NIXL): prepare READs once from each
     source rank (P serves no push channel in pull mode), into a staging slot, never a
@@ -131,14 +145,7 @@ def test_a_pair_served_over_nixl_gets_its_connections_made_ahead() -> None:
     w = World()
     try:
         d = w.consumers[0]
-        reads: list[str] = []
-        real = d.transport.read
-
-        def read(peer, *a, **k):  # type: ignore[no-untyped-def]
-            reads.append(peer)
-            return real(peer, *a, **k)
-
-        d.transport.read = read  # type: ignore[method-assign]
+        reads = counted_reads(d)
         before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
         d.prepare(w.producer.endpoint, "P").result(timeout=10)
         peer = d.peers.known(w.request("probe", 8)[0])
@@ -172,14 +179,7 @@ def test_push_mode_prepares_with_the_probe_both_ways_and_keeps_no_direction() ->
     w = World(mode=Mode.PUSH)
     try:
         d = w.consumers[0]
-        reads: list[str] = []
-        real = d.transport.read
-
-        def read(peer, *a, **k):  # type: ignore[no-untyped-def]
-            reads.append(peer)
-            return real(peer, *a, **k)
-
-        d.transport.read = read  # type: ignore[method-assign]
+        reads = counted_reads(d)
         d.prepare(w.producer.endpoint, "P").result(timeout=10)
         peer = d.peers.known(w.request("probe", 8)[0])
         assert peer is not None and not d.directions

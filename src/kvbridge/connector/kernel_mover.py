@@ -81,16 +81,9 @@ class KernelMover:
         (P's regions as mapped here now, D's own), to plan a request in; ``(None, why)`` if
         this mover cannot serve ``peer``. Made once per mapping of P's ranks."""
         sources = sorted(peer.geometry.links)
-        for src in sources:
-            info = peer.ranks.get(src)
-            if info is None or not info.shares:
-                return None, f"P rank {src} shares no memory"
-            if info.node != node_id():
-                return None, f"P rank {src} runs on another node"
-            if info.memory_kind() is not self.kind:
-                return None, f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
-        if peer.remake is None:
-            return None, "no geometry over mapped memory"
+        why = self._cannot_serve(peer, sources)
+        if why or peer.remake is None:
+            return None, why
         held: list[_Mapped] = []
         src = -1
         try:
@@ -116,18 +109,24 @@ class KernelMover:
                 del self._geometries[next(iter(self._geometries))]
         return over, ""
 
+    def _cannot_serve(self, peer: Peer, sources: list[int]) -> str:
+        """Why this mover cannot serve ``peer`` whatever is mapped ("": it may)."""
+        for src in sources:
+            info = peer.ranks.get(src)
+            if info is None or not info.shares:
+                return f"P rank {src} shares no memory"
+            if info.node != node_id():
+                return f"P rank {src} runs on another node"
+            if info.memory_kind() is not self.kind:
+                return f"P rank {src} keeps {info.memory} memory, this rank {self.kind.value}"
+        return "" if peer.remake is not None else "no geometry over mapped memory"
+
     def ready(self, peer: Peer) -> bool:
         """Whether :meth:`geometry` would answer at once: nothing to map or make (every P
         rank mapped at this epoch or known unmappable, the geometry made over them), or
         this mover cannot serve ``peer`` anyway."""
         sources = sorted(peer.geometry.links)
-        for src in sources:
-            info = peer.ranks.get(src)
-            if info is None or not info.shares or info.node != node_id():
-                return True
-            if info.memory_kind() is not self.kind:
-                return True
-        if peer.remake is None:
+        if self._cannot_serve(peer, sources):
             return True
         if not self._lock.acquire(blocking=False):  # a worker maps or unmaps: not now
             return False
