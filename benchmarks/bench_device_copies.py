@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.connector import device_copies
+from kvbridge.connector import device_copies, triton_copy
 from kvbridge.connector.device_copies import rows_copy
 
 
@@ -125,7 +125,7 @@ def main() -> None:
     for shape in SHAPES:
         print(bench(shape, max(1, shape.runs // scale), dev, args.repeat), flush=True)
     triton = dev.type == "cuda" and device_copies.triton_enabled()
-    way = "fused Triton" if triton and not device_copies._TRITON.failed else "torch index"
+    way = "fused Triton" if triton and not triton_copy.STATE.failed else "torch index"
     print(f"rows_copy moved words with: {way}")
 
 

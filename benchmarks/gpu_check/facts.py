@@ -3,7 +3,7 @@ rank (a silent fall back to torch's index kernels would pass every byte check) a
 whether kvbridge's own choice took the kernel mover where it could.
 
 On the GPU both are facts that fail the case: Triton enabled (``KVBRIDGE_TRITON`` not
-"0") but ``device_copies._TRITON.failed`` (it did not import, build or launch); and a
+"0") but ``triton_copy.STATE.failed`` (it did not import, build or launch); and a
 kvbridge load that did not take the kernel mover although P shares its memory on this
 node. On the CPU (``--cpu``) they are printed, never failures.
 """
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from benchmarks.gpu_check.rank import RankState
 
 _WARNINGS: list[str] = []
-"""device_copies' warnings in this process (why Triton was given up), the last few."""
+"""triton_copy's warnings in this process (why Triton was given up), the last few."""
 
 
 class _Keep(logging.Handler):
@@ -28,7 +28,7 @@ class _Keep(logging.Handler):
         _WARNINGS[:] = [*_WARNINGS[-4:], record.getMessage()]
 
 
-logging.getLogger("kvbridge.connector.device_copies").addHandler(_Keep(logging.WARNING))
+logging.getLogger("kvbridge.connector.triton_copy").addHandler(_Keep(logging.WARNING))
 
 
 def _imports() -> tuple[bool, str, str]:
@@ -42,11 +42,11 @@ def _imports() -> tuple[bool, str, str]:
 
 def triton_facts(st: RankState, _: m.TritonFacts) -> dict[str, Any]:
     """D rank: the fused kernel's state in this process after its copies."""
-    from kvbridge.connector import device_copies
+    from kvbridge.connector import device_copies, triton_copy
 
-    state = getattr(device_copies, "_TRITON", None)
+    state = getattr(triton_copy, "STATE", None)
     failed = bool(getattr(state, "failed", False))
-    built = getattr(state, "launch", None) is not None
+    built = getattr(state, "generic", None) is not None
     imports, error, version = _imports()
     return {
         "role": st.role,
@@ -61,6 +61,7 @@ def triton_facts(st: RankState, _: m.TritonFacts) -> dict[str, Any]:
         "built": built,
         "ran": built and not failed,
         "warnings": list(_WARNINGS),
+        "kernels": triton_copy.facts() if state is not None else {},
     }
 
 
@@ -70,7 +71,7 @@ def _verdict(f: dict[str, Any]) -> tuple[str, bool]:
         imports = f"triton {f['version']} imports" if f["imports"] else "triton does not import"
         return f"n/a on CPU (torch copies; {imports})", False
     if not f["known"]:
-        return "unknown (device_copies._TRITON not found)", True
+        return "unknown (triton_copy.STATE not found)", True
     if not f["enabled"]:
         return "off (KVBRIDGE_TRITON=0): torch copies", False
     if f["failed"]:
@@ -78,7 +79,23 @@ def _verdict(f: dict[str, Any]) -> tuple[str, bool]:
         return f"FELL BACK to torch copies ({why})", True
     if not f["built"]:
         return "not used (no copy on the GPU in this process)", False
-    return f"fused kernel ran (triton {f['version']})", False
+    kernels = f.get("kernels") or {}
+    ran = f"fused kernel ran (triton {f['version']}){_forms(kernels, f['warnings'])}"
+    return ran, bool(kernels.get("fixed_failed"))
+
+
+def _forms(k: dict[str, Any], warnings: list[str]) -> str:
+    """The kernel's forms: copies by each, the fixed lengths compiled and how long."""
+    runs = k.get("launches") or {}
+    ready = k.get("fixed_ready") or []
+    out = f"; copies: {runs.get('generic', 0)} generic, {runs.get('fixed', 0)} fixed-length"
+    if ready:
+        worst = max(r["compile_s"] for r in ready) * 1e3
+        rows = ", ".join(f"{r['row']}×{r['dtype']}" for r in ready)
+        out += f" ({len(ready)} lengths compiled: {rows}; slowest compile {worst:.0f} ms)"
+    if k.get("fixed_failed"):
+        out += f"; FIXED-LENGTH FORM FAILED ({'; '.join(warnings) or 'see the log'})"
+    return out
 
 
 def check_triton(cr: CaseRun, facts: list[dict[str, Any]]) -> None:

@@ -4,8 +4,9 @@
 # gpu-wheels` filled (GPU_WHEELS, default .gpu-wheels), unpacked by Python (tarfile,
 # zipfile: no xz binary needed) into a temporary directory that, with src/, goes on
 # PYTHONPATH (nothing is installed). First, where pytest and hypothesis import, the unit
-# tests of the device copies run on CUDA twice, Triton on and off (UNIT_TIMEOUT_S each,
-# default 60; UNIT_TESTS=0 skips them), their result lines in $OUT/unit_*.txt. The JSON
+# tests of the device copies run on CUDA twice, Triton on (with the Triton kernel's own
+# tests) and off (UNIT_TIMEOUT_S each, default 60; UNIT_TESTS=0 skips them), their result
+# lines in $OUT/unit_*.txt. The JSON
 # lands in $OUT if set (the device tool brings $OUT back), else in build/, the table beside.
 #   PY (default python3), GPU_WHEELS, BUDGET_S (default 260), extra arguments: passed on.
 # Worst case with the defaults: unpack ~10 s + unit tests 2 x 70 s + 260 s + 45 s grace
@@ -45,8 +46,8 @@ export UCX_MODULES='^ib' NIXL_LOG_LEVEL=WARN
 out=${OUT:-build}
 mkdir -p "$out"
 
-unit_tests() {  # tests/unit/test_device_copies.py on CUDA, Triton on and off; never fails
-  local limit=${UNIT_TIMEOUT_S:-60} run=() t rc
+unit_tests() {  # the device copies' unit tests on CUDA, Triton on and off; never fails
+  local limit=${UNIT_TIMEOUT_S:-60} run=() t rc tests
   if ! "$py" -c 'import pytest' 2>/dev/null; then
     echo "gpu-check: pytest not available: unit tests on CUDA skipped"
     return 0
@@ -57,10 +58,11 @@ unit_tests() {  # tests/unit/test_device_copies.py on CUDA, Triton on and off; n
   fi
   if command -v timeout >/dev/null; then run=(timeout -k 10 "$limit"); fi
   for t in 1 0; do
-    rc=0
+    rc=0 tests=(tests/unit/test_device_copies.py)
+    if [ "$t" = 1 ]; then tests+=(tests/unit/test_triton_copy.py); fi
     log="$out/unit_device_copies_triton$t.log"
     KVBRIDGE_TRITON=$t ${run[@]+"${run[@]}"} "$py" -m pytest -q -p no:cacheprovider -rfEs \
-      tests/unit/test_device_copies.py >"$log" 2>&1 || rc=$?
+      "${tests[@]}" >"$log" 2>&1 || rc=$?
     { echo "gpu-check: unit tests, KVBRIDGE_TRITON=$t: exit $rc$([ "$rc" = 124 ] && echo \
         " (timed out after $limit s)")"
       grep -E '^(FAILED|ERROR|SKIPPED)' "$log" | head -n 20 || true
@@ -69,6 +71,8 @@ unit_tests() {  # tests/unit/test_device_copies.py on CUDA, Triton on and off; n
   done
 }
 if [ "${UNIT_TESTS:-1}" != 0 ]; then unit_tests; fi
+# the copy kernel's two forms, GPU time side by side (a few seconds; never fails the check)
+"$py" -m benchmarks.bench_triton_forms 2>&1 | tee "$out/triton_forms.txt" || true
 
 "$py" -m benchmarks.gpu_check --budget-s "${BUDGET_S:-260}" --json "$out/gpu_check.json" "$@" \
   | tee "$out/gpu_check.txt"

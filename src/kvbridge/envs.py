@@ -48,6 +48,13 @@ def triton_copies() -> bool:
     return os.environ.get("KVBRIDGE_TRITON", "1") != "0"
 
 
+def triton_specialise() -> bool:
+    """``KVBRIDGE_TRITON_SPECIALISE`` (default "1"): lengths copied often get the fused
+    kernel compiled with the length as a constant, off the copy path; "0" keeps the
+    generic kernel (:mod:`kvbridge.connector.triton_copy`)."""
+    return os.environ.get("KVBRIDGE_TRITON_SPECIALISE", "1") != "0"
+
+
 def log_level() -> str:
     """``KVBRIDGE_LOG_LEVEL`` (default: vLLM's ``VLLM_LOGGING_LEVEL``, else "INFO"): level
     of the ``kvbridge`` logger inside a vLLM engine

@@ -147,11 +147,26 @@ def test_a_triton_fall_back_fails_on_the_gpu_only() -> None:
     run = _run(gpu=True)
     facts.check_triton(run, [_triton(), _triton(rank=1, failed=True, ran=False, warnings=["x"])])
     assert "D1: FELL BACK to torch copies (x)" in run.res.errors["triton"]
-    assert run.res.triton[0]["verdict"] == "fused kernel ran (triton 3.5)"
+    assert run.res.triton[0]["verdict"].startswith("fused kernel ran (triton 3.5)")
     for off in (_triton(enabled=False, built=False, ran=False), _triton(cuda=False)):
         run = _run(gpu=True)
         facts.check_triton(run, [off])
         assert not run.res.errors, off
+
+
+def test_the_kernel_forms_are_reported_and_a_fixed_form_failure_fails() -> None:
+    ready = [{"row": 4096, "dtype": "int64", "device": "cuda:0", "compile_s": 0.412}]
+    good = {"launches": {"generic": 4, "fixed": 9}, "fixed_ready": ready}
+    run = _run(gpu=True)
+    facts.check_triton(run, [_triton(kernels=good)])
+    assert not run.res.errors
+    assert run.res.triton[0]["verdict"] == (
+        "fused kernel ran (triton 3.5); copies: 4 generic, 9 fixed-length"
+        " (1 lengths compiled: 4096×int64; slowest compile 412 ms)"
+    )
+    run = _run(gpu=True)
+    facts.check_triton(run, [_triton(kernels={**good, "fixed_failed": True})])
+    assert "FIXED-LENGTH FORM FAILED" in run.res.errors["triton"]
 
 
 def test_a_kvbridge_load_off_the_kernel_mover_fails_on_the_gpu() -> None:

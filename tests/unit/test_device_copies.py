@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector import device_copies
+from kvbridge.connector import device_copies, triton_copy
 from kvbridge.connector.device_copies import checked_copy, copy_cost_probe, rows_copy
 from kvbridge.errors import TransportError
 
@@ -26,11 +26,11 @@ DEVICES = [
 def triton_must_not_fall_back(request: pytest.FixtureRequest):
     """On CUDA with Triton on, a test passing through torch's copies (the kernel failed
     to build or launch and torch took over) proves nothing of the kernel: fail it."""
-    was = device_copies._TRITON.failed
+    was = triton_copy.STATE.failed
     yield
     cuda = getattr(request.node, "callspec", None) and request.node.callspec.params.get("device")
     if cuda == "cuda" and device_copies.triton_enabled() and not was:
-        assert not device_copies._TRITON.failed, "the Triton kernel failed; torch copied"
+        assert not triton_copy.STATE.failed, "the Triton kernel failed; torch copied"
 
 
 def reference(
@@ -278,16 +278,22 @@ def test_stream_is_ignored_on_cpu() -> None:
 
 
 def test_triton_failure_falls_back_once(monkeypatch, caplog) -> None:
-    def broken(*_: object) -> None:
-        raise RuntimeError("no compiler here")
+    class Broken:
+        def __getitem__(self, _grid: object):
+            def run(*_: object, **__: object) -> None:
+                raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(device_copies, "_TRITON", device_copies._Triton(launch=broken))
+            return run
+
+    state = triton_copy.Kernels(generic=Broken(), fixed=Broken())
+    monkeypatch.setattr(triton_copy, "STATE", state)
     words = torch.zeros(4, dtype=torch.int64)
     idx = torch.zeros(1, dtype=torch.int64)
-    with caplog.at_level(logging.WARNING, logger=device_copies.__name__):
-        assert not device_copies._triton_copy(words, idx, words, idx, 1)
-        assert not device_copies._triton_copy(words, idx, words, idx, 1)
+    with caplog.at_level(logging.WARNING, logger=triton_copy.__name__):
+        assert not triton_copy.copy(words, idx, words, idx, 1)
+        assert not triton_copy.copy(words, idx, words, idx, 1)
     assert [r.getMessage().count("no compiler here") for r in caplog.records] == [1]
+    assert state.failed
 
 
 def test_triton_switch(monkeypatch) -> None:

@@ -11,17 +11,15 @@ torch ways go in chunks of at most :data:`CHUNK_WORDS` words. Measured: ``docs/g
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvbridge import envs
+from kvbridge.connector import triton_copy
 from kvbridge.errors import TransportError
 
 log = logging.getLogger(__name__)
@@ -35,7 +33,6 @@ PROBE_SIZES = (64, 1024)
 """:func:`copy_cost_probe`'s runs: this many of each size (bytes), 1 MiB at most."""
 
 Offsets = torch.Tensor | np.ndarray
-Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 
 
 def rows_copy(
@@ -258,7 +255,7 @@ def _copy(
 ) -> None:
     """Move checked runs as ``w``-byte words: Triton if it may, else rows or flat."""
     dw, sw, row = _words(dst, w), _words(src, w), size // w
-    if dst.is_cuda and triton_enabled() and _triton_copy(dw, _div(d, w), sw, _div(s, w), row):
+    if dst.is_cuda and triton_enabled() and triton_copy.copy(dw, _div(d, w), sw, _div(s, w), row):
         return
     if whole:
         _rows(dw, _div(d, size), sw, _div(s, size), row)
@@ -297,66 +294,3 @@ def _flat(
         di = (d_w[lo : lo + step, None] + cols).reshape(-1)
         si = (s_w[lo : lo + step, None] + cols).reshape(-1)
         dw.index_copy_(0, di, sw.index_select(0, si))
-
-
-@dataclass(slots=True)
-class _Triton:
-    """The fused kernel's launcher, built on first use; ``failed`` once it would not
-    build or launch (the torch ways take over for the rest of the process)."""
-
-    launch: Launch | None = None
-    failed: bool = False
-
-
-_TRITON = _Triton(failed=importlib.util.find_spec("triton") is None)
-
-
-def _triton_copy(
-    dw: torch.Tensor, d_w: torch.Tensor, sw: torch.Tensor, s_w: torch.Tensor, row: int
-) -> bool:
-    """Copy with the fused kernel (word offsets ``d_w``, ``s_w``; ``row`` words a run);
-    False, nothing copied, if Triton is missing or fails to compile or launch."""
-    if _TRITON.failed:
-        return False
-    try:
-        if _TRITON.launch is None:
-            _TRITON.launch = _build_triton()
-        _TRITON.launch(dw, d_w, sw, s_w, row)
-    except Exception as exc:  # any Triton failure: no kernel ran, torch copies instead
-        _TRITON.failed = True
-        log.warning("Triton row copy unavailable (%s: %s); using torch", type(exc).__name__, exc)
-        return False
-    return True
-
-
-def _build_triton() -> Launch:
-    """The fused kernel: a program per tile of ``RUNS`` runs, ``BLOCK`` words of each per
-    step. Word offsets are int64, so a tensor may exceed 2³¹ words."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit(do_not_specialize=["n", "row"])
-    def copy_runs(dst, d_w, src, s_w, n, row, RUNS: tl.constexpr, BLOCK: tl.constexpr):
-        # ``n`` runs of ``row`` words are runtime values, not specialised: a compile per
-        # (BLOCK, word type, pointer alignment), not one per run count or length
-        runs = tl.program_id(0) * RUNS + tl.arange(0, RUNS)
-        live = runs < n
-        d = tl.load(d_w + runs, mask=live, other=0)[:, None]
-        s = tl.load(s_w + runs, mask=live, other=0)[:, None]
-        for start in range(0, row, BLOCK):
-            col = start + tl.arange(0, BLOCK)[None, :]
-            mask = live[:, None] & (col < row)
-            tl.store(dst + d + col, tl.load(src + s + col, mask=mask), mask=mask)
-
-    def launch(
-        dw: torch.Tensor, d_w: torch.Tensor, sw: torch.Tensor, s_w: torch.Tensor, row: int
-    ) -> None:
-        block = min(1024, triton.next_power_of_2(row))
-        runs = max(1, 1024 // block)  # a tile of about 1024 words
-        n = d_w.numel()
-        grid = (triton.cdiv(n, runs),)
-        on = torch.cuda.device(dw.device) if dw.is_cuda else contextlib.nullcontext()
-        with on:  # launch in the memory's context
-            copy_runs[grid](dw, d_w, sw, s_w, n, row, RUNS=runs, BLOCK=block)
-
-    return launch

@@ -1,0 +1,214 @@
+"""The fused Triton kernel behind :mod:`kvbridge.connector.device_copies`: ``n`` runs of
+``row`` words, a program per tile of runs.
+
+Two compiled forms of one kernel body. The generic form takes ``row`` at run time: one
+compile per word type and pointer alignment, whatever the lengths. The fixed form has
+``row`` as a compile-time constant (measured 7–29 % faster on an H200: docs/gpu.md, "The
+copy kernel"), one compile per length, so it is kept for lengths a process copies again
+and again, and off the copy path:
+
+- a length (with its word type and device) seen in :data:`SPECIALISE_AFTER` calls is
+  compiled in the fixed form on a thread of its own (one compile at a time), at most
+  :data:`SPECIAL_KEYS` of them per process: the compile cache stays bounded;
+- a copy takes the fixed form once that compile ended and every pointer is 16-byte
+  aligned (what the compile assumed), the generic form otherwise;
+- a failing compile turns the fixed form off for the process (logged once); the generic
+  form goes on. ``KVBRIDGE_TRITON_SPECIALISE=0``: the generic form only.
+
+A failure of the generic form itself (no Triton, no compiler) makes :func:`copy` return
+False for the rest of the process: torch's copies take over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbridge import envs
+
+log = logging.getLogger(__name__)
+
+SPECIALISE_AFTER = 2
+"""Calls with one length before its fixed form is compiled (a one-off costs nothing)."""
+SPECIAL_KEYS = 8
+"""Most fixed forms one process compiles: (length, word type, device) each."""
+TILE_WORDS = 1024
+"""Words a program moves per step: ``BLOCK`` of each of ``RUNS`` runs."""
+
+Key = tuple[int, torch.dtype, str]
+
+
+@dataclass(slots=True)
+class Kernels:
+    """The kernel's state in this process: built on first use; ``failed`` once the
+    generic form would not build or launch. ``seen``: calls per key not yet fixed;
+    ``ready``: keys whose fixed form compiled (with the compile's seconds); ``launches``:
+    copies per form."""
+
+    generic: Any = None
+    fixed: Any = None
+    failed: bool = False
+    fixed_failed: bool = False
+    seen: Counter[Key] = field(default_factory=Counter)
+    queued: set[Key] = field(default_factory=set)
+    ready: dict[Key, float] = field(default_factory=dict)
+    launches: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    compiling: threading.Lock = field(default_factory=threading.Lock)
+
+
+STATE = Kernels(failed=importlib.util.find_spec("triton") is None)
+
+
+def copy(
+    dw: torch.Tensor, d_w: torch.Tensor, sw: torch.Tensor, s_w: torch.Tensor, row: int
+) -> bool:
+    """``dw[d_w[i] : d_w[i] + row] = sw[s_w[i] : s_w[i] + row]`` for every run ``i`` (word
+    offsets, int64, on the words' device), queued on the current stream; False, nothing
+    copied, if Triton is missing or the kernel fails to build or launch."""
+    st = STATE
+    if st.failed:
+        return False
+    try:
+        if st.generic is None:
+            st.generic, st.fixed = _build()
+        _launch(st, dw, d_w, sw, s_w, row)
+    except Exception as exc:  # any Triton failure: no kernel ran, torch copies instead
+        st.failed = True
+        log.warning("Triton row copy unavailable (%s: %s); using torch", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def _launch(
+    st: Kernels, dw: torch.Tensor, d_w: torch.Tensor, sw: torch.Tensor, s_w: torch.Tensor, row: int
+) -> None:
+    n = d_w.numel()
+    grid, runs, block = tiles(row, n)
+    key: Key = (row, dw.dtype, str(dw.device))
+    on = torch.cuda.device(dw.device) if dw.is_cuda else contextlib.nullcontext()
+    with on:  # launch in the memory's context
+        if key in st.ready and not st.fixed_failed and _aligned16(dw, d_w, sw, s_w):
+            try:
+                st.fixed[grid](dw, d_w, sw, s_w, n, ROW=row, RUNS=runs, BLOCK=block)
+            except Exception as exc:  # nothing launched: the generic form copies
+                _fixed_off(st, exc)
+            else:
+                st.launches["fixed"] += 1
+                return
+        st.generic[grid](dw, d_w, sw, s_w, n, row, RUNS=runs, BLOCK=block)
+        st.launches["generic"] += 1
+    _saw(st, key, runs, block)
+
+
+def tiles(row: int, n: int) -> tuple[tuple[int], int, int]:
+    """``(grid, RUNS, BLOCK)`` for ``n`` runs of ``row`` words: a program per tile of
+    about :data:`TILE_WORDS` words."""
+    block = min(TILE_WORDS, 1 << (row - 1).bit_length())
+    runs = max(1, TILE_WORDS // block)
+    return ((n + runs - 1) // runs,), runs, block
+
+
+def _aligned16(*tensors: torch.Tensor) -> bool:
+    """Every pointer a multiple of 16 B: what the fixed form was compiled for (a copy
+    with another alignment would compile again, on the copy's path)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _saw(st: Kernels, key: Key, runs: int, block: int) -> None:
+    """Count a generic copy of ``key``; queue its fixed form's compile at the
+    :data:`SPECIALISE_AFTER`-th, within :data:`SPECIAL_KEYS`."""
+    if st.fixed_failed or not envs.triton_specialise():
+        return
+    with st.lock:
+        if key in st.queued or len(st.queued) >= SPECIAL_KEYS:
+            return
+        st.seen[key] += 1
+        if st.seen[key] < SPECIALISE_AFTER:
+            return
+        st.queued.add(key)
+        del st.seen[key]
+    threading.Thread(
+        target=_compile, args=(st, key, runs, block), name="kvbridge-triton", daemon=True
+    ).start()
+
+
+def _compile(st: Kernels, key: Key, runs: int, block: int) -> None:
+    """Compile ``key``'s fixed form (no launch), then mark it ready; one at a time."""
+    row, dtype, device = key
+    with st.compiling:
+        t0 = time.perf_counter()
+        try:
+            dev = torch.device(device)
+            on = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+            with on:
+                kernel = st.fixed.warmup(
+                    dtype, torch.int64, dtype, torch.int64, TILE_WORDS,
+                    ROW=row, RUNS=runs, BLOCK=block, grid=(1,),
+                )  # fmt: skip
+                load = getattr(kernel, "_init_handles", None)
+                if callable(load):  # the module into the context now, not at the copy
+                    load()
+        except Exception as exc:  # the fixed form is an optimisation: generic goes on
+            _fixed_off(st, exc)
+            return
+        with st.lock:
+            st.ready[key] = time.perf_counter() - t0
+
+
+def _fixed_off(st: Kernels, exc: Exception) -> None:
+    """The fixed form failed to compile or launch: off for the process, logged once."""
+    with st.lock:
+        was, st.fixed_failed = st.fixed_failed, True
+    if not was:
+        log.warning(
+            "Triton fixed-length copy unavailable (%s: %s); the generic kernel copies",
+            type(exc).__name__,
+            exc,
+        )
+
+
+def facts() -> dict[str, Any]:
+    """What the kernels did in this process (gpu-check's triton facts)."""
+    st = STATE
+    with st.lock:
+        ready = sorted(
+            ({"row": r, "dtype": str(d).removeprefix("torch."), "device": dev, "compile_s": s}
+             for (r, d, dev), s in st.ready.items()),
+            key=lambda f: (f["row"], f["dtype"]),
+        )  # fmt: skip
+        return {
+            "failed": st.failed,
+            "built": st.generic is not None,
+            "fixed_failed": st.fixed_failed,
+            "fixed_ready": ready,
+            "fixed_queued": len(st.queued),
+            "launches": dict(st.launches),
+        }
+
+
+def wait_compiled(timeout_s: float) -> bool:
+    """Wait until every queued fixed form compiled or failed (tests, benchmarks)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with STATE.lock:
+            if STATE.fixed_failed or STATE.queued <= STATE.ready.keys():
+                return True
+        time.sleep(0.005)
+    return False
+
+
+def _build() -> tuple[Any, Any]:
+    """The two forms (generic, fixed), imported on first use: importing Triton costs
+    hundreds of milliseconds that a host-only process never pays."""
+    from kvbridge.connector import triton_kernels
+
+    return triton_kernels.generic, triton_kernels.fixed
