@@ -1,7 +1,9 @@
 """Why a rank plans 5-10x slower than a benchmark loop: the same planning work, timed
 per request, in this process and in a rank process (spawned, one request per message
 over a pipe, as gpu-check's ranks and an engine's workers get them), each either back to
-back or paced (the process idle ``--gap-ms`` between requests, as a rank between loads).
+back or paced (the process idle ``--gap-ms`` between requests, as a rank between loads);
+paced, the rank either blocks on its pipe or polls it as vLLM's workers wait for their
+next step (vLLM 0.32 ``shm_broadcast.SpinCondition``: 1 s of polling after each step).
 
 Work per request: the kernel mover's host path (plan in the geometry over the spans'
 offsets, bounds checks, cuts to equal lengths: ``bench_kernel_host``), Llama-3.1-8B shapes,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -68,21 +71,30 @@ def timed(run: Callable[[int], float], requests: int, gap_s: float) -> float:
     return statistics.median(out) * 1e6
 
 
-def rank_main(conn: Connection, case: tuple[int, int, int, str]) -> None:
-    """A rank: builds the case once, then times one request per message."""
+def rank_main(conn: Connection, case: tuple[int, int, int, str], spin: bool) -> None:
+    """A rank: builds the case once, then times one request per message. ``spin``: it
+    waits for a message as vLLM's workers wait for a step (polling, yielding the CPU
+    between polls, never blocking: the gaps here are under their 1 s busy loop), else
+    blocks on the pipe."""
     run = host_path(*case)
     for seed in range(3):
         run(seed)
     conn.send("ready")
-    while (seed := conn.recv()) is not None:
+    while True:
+        while spin and not conn.poll(0):
+            os.sched_yield()
+        if (seed := conn.recv()) is None:
+            return
         conn.send(run(seed))
 
 
-def in_rank(case: tuple[int, int, int, str], requests: int, gap_s: float) -> float:
+def in_rank(
+    case: tuple[int, int, int, str], requests: int, gap_s: float, spin: bool = False
+) -> float:
     """Median µs of the requests as a spawned rank process timed them itself."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=rank_main, args=(there, case), daemon=True)
+    proc = ctx.Process(target=rank_main, args=(there, case, spin), daemon=True)
     proc.start()
     try:
         if here.recv() != "ready":
@@ -117,7 +129,7 @@ def main() -> None:
     )
     print(
         f"{'case':28s} {'alone, back to back':>20s} {'alone, paced':>13s} "
-        f"{'rank, back to back':>19s} {'rank, paced':>12s}"
+        f"{'rank, back to back':>19s} {'rank, paced':>12s} {'rank, paced, polls':>19s}"
     )
     for case in cases:
         run = host_path(*case)
@@ -126,10 +138,14 @@ def main() -> None:
             timed(run, args.requests, gap),
             in_rank(case, args.requests, 0.0),
             in_rank(case, args.requests, gap),
+            in_rank(case, args.requests, gap, spin=True),
         ]
         tokens, p_tp, d_tp, layout = case
         label = f"{tokens} tokens TP {p_tp}→{d_tp} {layout}"
-        print(f"{label:28s} {cols[0]:20.1f} {cols[1]:13.1f} {cols[2]:19.1f} {cols[3]:12.1f}")
+        print(
+            f"{label:28s} {cols[0]:20.1f} {cols[1]:13.1f} {cols[2]:19.1f} {cols[3]:12.1f} "
+            f"{cols[4]:19.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ from kvbridge.transport.nixl import NixlTransport
 LOAD_POLL_S = 0.0002
 
 
+BUSY_S = 1.0
+"""On a GPU a rank polls for its next command this long after each one, as vLLM's
+workers wait for their next step (``refengine.processes.serve``); a blocking rank's core
+goes idle and its next load's host work runs 2–4× slower (docs/performance.md). Not on
+the CPU, where polling ranks would take the cores the copies need."""
 COMPILE_WAIT_S = 60.0
 """Most a rank waits, after a transfer, for the fixed-length kernels it queued."""
 
@@ -346,7 +351,7 @@ def main(conn: Connection, index: int, gpu: bool) -> None:
     conn.send(facts)
     rank = Rank()
     try:
-        serve(conn, rank.handle, index)
+        serve(conn, rank.handle, index, busy_s=BUSY_S if gpu else 0.0)
     finally:
         rank.close()
 

@@ -47,11 +47,22 @@ class RankError(KVBridgeError):
         self.rank, self.what, self.error = rank, what, error
 
 
-def serve(conn: Connection, handle: Callable[[Any], Any], rank: int) -> None:
-    """Answer commands from ``conn`` with ``handle(cmd)`` (or :class:`Failed`)."""
+def serve(conn: Connection, handle: Callable[[Any], Any], rank: int, busy_s: float = 0.0) -> None:
+    """Answer commands from ``conn`` with ``handle(cmd)`` (or :class:`Failed`).
+
+    ``busy_s`` > 0: after each command the rank polls without sleeping (yielding the CPU
+    between polls) for that long before it blocks, as vLLM's workers wait for their next
+    step (vLLM 0.32, ``shm_broadcast.SpinCondition``: ``busy_loop_s`` = 1 s): a core that
+    blocks goes idle, and the next command's host work then runs 2–4× slower
+    (docs/performance.md, "Host time in a rank")."""
     parent = multiprocessing.parent_process()
+    last = time.monotonic()
     while parent is None or parent.is_alive():
-        if not conn.poll(POLL_S):
+        if busy_s > 0 and time.monotonic() - last < busy_s:
+            if not conn.poll(0):
+                os.sched_yield()
+                continue
+        elif not conn.poll(POLL_S):
             continue
         try:
             cmd = conn.recv()
@@ -64,6 +75,7 @@ def serve(conn: Connection, handle: Callable[[Any], Any], rank: int) -> None:
         except Exception as e:
             reply = Failed(rank, f"{type(e).__name__}: {e}")
         conn.send(reply)
+        last = time.monotonic()
 
 
 class RankProcesses:

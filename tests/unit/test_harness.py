@@ -74,3 +74,39 @@ def test_a_silent_rank_times_out_and_a_dead_rank_is_named() -> None:
 def test_a_rank_failing_at_boot_stops_all() -> None:
     with pytest.raises(RankError, match="rank 1 failed boot: no memory for the cache"):
         RankProcesses(CTX, _echo, [(0,), (1, True)])
+
+
+def test_a_busy_rank_answers_while_polling_and_after(monkeypatch) -> None:
+    """``serve(busy_s=...)``: commands within the busy window are answered without a
+    blocking poll; after it the rank blocks (``poll(POLL_S)``) and still answers."""
+    import threading
+    from multiprocessing import Pipe
+
+    from refengine import processes
+
+    monkeypatch.setattr(processes, "POLL_S", 0.05)
+    here, there = Pipe()
+    blocking: list[float | None] = []
+    real_poll = type(there).poll
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        if timeout:
+            blocking.append(timeout)
+        return real_poll(self, timeout)
+
+    monkeypatch.setattr(type(there), "poll", poll)
+    t = threading.Thread(target=serve, args=(there, lambda x: x * 2, 0, 0.3), daemon=True)
+    t.start()
+    here.send(1)
+    assert here.recv() == 2
+    time.sleep(0.1)  # inside the busy window: no blocking poll
+    here.send(2)
+    assert here.recv() == 4
+    assert not blocking
+    time.sleep(0.5)  # past it: the rank blocks between polls
+    here.send(3)
+    assert here.recv() == 6
+    assert blocking and set(blocking) == {0.05}
+    here.send(processes.Stop())
+    t.join(5)
+    assert not t.is_alive()
