@@ -26,16 +26,23 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-CASES = [(1024, 1, 1, "nhd"), (8192, 1, 1, "nhd"), (1024, 1, 2, "nhd")]
+SHAPES = [(1024, 1, 1, "nhd"), (8192, 1, 1, "nhd"), (1024, 1, 2, "nhd")]
+CASES = [(*c, grids) for grids in (True, False) for c in SHAPES]
+"""Each shape as the kernel mover takes it (the plan's grids) and with every run's offsets
+made and checked (as before grids)."""
+Case = tuple[int, int, int, str, bool]
 
 
-def host_path(tokens: int, p_tp: int, d_tp: int, layout: str) -> Callable[[int], float]:
+def host_path(
+    tokens: int, p_tp: int, d_tp: int, layout: str, grids: bool = True
+) -> Callable[[int], float]:
     """``run(seed)``: one request's host work → seconds it took."""
     from benchmarks.bench_kernel_host import spans_of
     from benchmarks.plan_bench import bound_all
     from benchmarks.shapes import llama
     from kvbridge.connector.kernel_mover import copy_groups
     from kvbridge.plan import Bound, Geometry, Side
+    from kvbridge.plan.runs import Runs
     from kvbridge.spec import Parallel
 
     spec = llama(32)
@@ -53,7 +60,7 @@ def host_path(tokens: int, p_tp: int, d_tp: int, layout: str) -> Callable[[int],
         t0 = time.perf_counter()
         plan = geom.plan(tokens, p_ids, d_ids)
         for src, r in plan.runs.items():
-            copy_groups(p_spans[src], d_span, r, "P")
+            copy_groups(p_spans[src], d_span, r if grids else Runs(r.src, r.dst, r.length), "P")
         return time.perf_counter() - t0
 
     return run
@@ -71,7 +78,7 @@ def timed(run: Callable[[int], float], requests: int, gap_s: float) -> float:
     return statistics.median(out) * 1e6
 
 
-def rank_main(conn: Connection, case: tuple[int, int, int, str], spin: bool) -> None:
+def rank_main(conn: Connection, case: Case, spin: bool) -> None:
     """A rank: builds the case once, then times one request per message. ``spin``: it
     waits for a message as vLLM's workers wait for a step (polling, yielding the CPU
     between polls, never blocking: the gaps here are under their 1 s busy loop), else
@@ -88,9 +95,7 @@ def rank_main(conn: Connection, case: tuple[int, int, int, str], spin: bool) -> 
         conn.send(run(seed))
 
 
-def in_rank(
-    case: tuple[int, int, int, str], requests: int, gap_s: float, spin: bool = False
-) -> float:
+def in_rank(case: Case, requests: int, gap_s: float, spin: bool = False) -> float:
     """Median µs of the requests as a spawned rank process timed them itself."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -128,7 +133,7 @@ def main() -> None:
         f"{args.gap_ms:g} ms before each request"
     )
     print(
-        f"{'case':28s} {'alone, back to back':>20s} {'alone, paced':>13s} "
+        f"{'case':38s} {'alone, back to back':>20s} {'alone, paced':>13s} "
         f"{'rank, back to back':>19s} {'rank, paced':>12s} {'rank, paced, polls':>19s}"
     )
     for case in cases:
@@ -140,10 +145,10 @@ def main() -> None:
             in_rank(case, args.requests, gap),
             in_rank(case, args.requests, gap, spin=True),
         ]
-        tokens, p_tp, d_tp, layout = case
-        label = f"{tokens} tokens TP {p_tp}→{d_tp} {layout}"
+        tokens, p_tp, d_tp, layout, grids = case
+        label = f"{tokens} tokens TP {p_tp}→{d_tp} {layout}{'' if grids else ', expanded'}"
         print(
-            f"{label:28s} {cols[0]:20.1f} {cols[1]:13.1f} {cols[2]:19.1f} {cols[3]:12.1f} "
+            f"{label:38s} {cols[0]:20.1f} {cols[1]:13.1f} {cols[2]:19.1f} {cols[3]:12.1f} "
             f"{cols[4]:19.1f}"
         )
 

@@ -28,9 +28,9 @@ import torch
 from benchmarks.gpu_check import messages as m
 from benchmarks.gpu_check import vllm_rank
 from benchmarks.gpu_check.rank import RankState
-from kvbridge.connector.device_copies import checked_copy, rows_copy
+from kvbridge.connector.device_copies import rows_copy
 from kvbridge.connector.device_memory import equal_runs
-from kvbridge.connector.kernel_mover import copy_groups
+from kvbridge.connector.kernel_mover import copy_groups, run_copy
 from kvbridge.plan import Plan, Runs
 from kvbridge.transport.base import XferHandle
 
@@ -203,12 +203,12 @@ def kernel(st: RankState, cmd: m.Run) -> m.Timing:
     for src, r in plan.runs.items():
         span = st.maps[src]
         groups = copy_groups(span, st.own, r, f"P rank {src}'s")
-        work += [(span, s, d, size, st.divisors[src]) for d, s, size in groups]
+        work += [(span, c, st.divisors[src]) for c in groups]
     events = _Events(st)
     t2 = time.monotonic()
     events.begin()
-    for span, s_off, d_off, size, divisor in work:
-        checked_copy(st.own.tensor, d_off, span.tensor, s_off, size, divisor, stream=st.stream)
+    for span, c, divisor in work:
+        run_copy(st.own, span, c, divisor, st.stream)
     detail = events.done()
     return m.Timing(t0, time.monotonic(), plan.nbytes, len(work), t1 - t0, t2 - t0, detail)
 

@@ -24,7 +24,7 @@ from kvbridge.control.security import Keys, secure_client
 from kvbridge.errors import PeerError
 from kvbridge.layout import build_layout
 from kvbridge.layout.tensor import MemKind
-from kvbridge.spec import Kind, Parallel, attention, group_by_kind, mla
+from kvbridge.spec import Kind, ModelSpec, Parallel, attention, group_by_kind, mla
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
 from tests.support.reference import expected_dest, fill_source
 from tests.support.scenario import Side, random_tables
@@ -53,6 +53,8 @@ def raw_call(endpoint: str, frame: bytes) -> Message:
 
 
 class World:
+    spec: ModelSpec = SPEC  # a subclass making its own sides keeps the toy hybrid
+
     def __init__(
         self,
         lease_s: float = 30.0,
@@ -66,17 +68,23 @@ class World:
         memory: tuple[MemKind, MemKind] = (MemKind.HOST, MemKind.HOST),
         p_memory: Callable[[int], np.ndarray] | None = None,
         d_transport: type[LoopbackTransport] = StallingLoopback,
+        layouts: tuple[str, str] = ("hnd", "block-major"),
+        d_block: int = 8,
+        spec: ModelSpec = SPEC,
     ):
-        """``p_memory``: how P's regions are allocated (bytes → uint8 array; default numpy)."""
+        """``p_memory``: how P's regions are allocated (bytes → uint8 array; default numpy);
+        ``layouts``: P's and D's; ``d_block``: D's block size (P's is 16); ``spec``: the
+        model (a toy hybrid by default)."""
         self.rng = np.random.default_rng(7)
-        self.p = Side(SPEC, Parallel(p_tp), "hnd", 32)
-        self.d = Side(SPEC.with_block_sizes(8), Parallel(d_tp), "block-major", 64)
+        self.spec = spec
+        self.p = Side(spec, Parallel(p_tp), layouts[0], 32)
+        self.d = Side(spec.with_block_sizes(d_block), Parallel(d_tp), layouts[1], 64)
         self.p.allocate(self.rng)
         if p_memory is not None:
             self.p.bufs = [[_moved(b, p_memory) for b in bufs] for bufs in self.p.bufs]
         self.d.allocate(self.rng)
         self.fabric = Fabric()
-        self.producer = Producer("P", SPEC, self.p.par, SECRET, lease_s=lease_s, keys=p_keys)
+        self.producer = Producer("P", spec, self.p.par, SECRET, lease_s=lease_s, keys=p_keys)
         self.workers: list[ProducerWorker] = []
         for r in range(p_tp):
             agent = StallingLoopback(f"p{r}", self.fabric)
@@ -107,9 +115,9 @@ class World:
         ]
 
     def request(self, rid: str, n: int) -> tuple[TransferHandle, list[list[int]]]:
-        p_tabs = random_tables(SPEC, n, 32, self.rng)
+        p_tabs = random_tables(self.spec, n, 32, self.rng)
         for r in range(self.p.par.world):
-            fill_source(SPEC, self.p.par, r, self.p.layouts[r], self.p.bufs[r], n, p_tabs)
+            fill_source(self.spec, self.p.par, r, self.p.layouts[r], self.p.bufs[r], n, p_tabs)
         d_tabs = random_tables(self.d.spec, n, 64, self.rng)
         return self.producer.prefill_done(rid, p_tabs, n), d_tabs
 

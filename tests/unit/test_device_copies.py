@@ -285,7 +285,7 @@ def test_triton_failure_falls_back_once(monkeypatch, caplog) -> None:
 
             return run
 
-    state = triton_copy.Kernels(generic=Broken(), fixed=Broken())
+    state = triton_copy.Kernels(forms={"runs": (Broken(), Broken())})
     monkeypatch.setattr(triton_copy, "STATE", state)
     words = torch.zeros(4, dtype=torch.int64)
     idx = torch.zeros(1, dtype=torch.int64)

@@ -75,7 +75,7 @@ def test_both_forms_copy_exactly(kernels: triton_copy.Kernels, row: int, dtype) 
         c.check()
     assert kernels.launches == {"generic": 2}
     assert triton_copy.wait_compiled(120)
-    assert list(kernels.ready) == [(row, dtype, DEVICE if DEVICE == "cpu" else "cuda:0")]
+    assert list(kernels.ready) == [("runs", row, dtype, DEVICE if DEVICE == "cpu" else "cuda:0")]
     assert cases[2].run()
     cases[2].check()
     assert kernels.launches == {"generic": 2, "fixed": 1}
@@ -97,7 +97,7 @@ def test_the_fixed_forms_are_bounded(kernels: triton_copy.Kernels) -> None:
             Case(row, torch.int32).run()
     assert triton_copy.wait_compiled(120)
     assert len(kernels.ready) == triton_copy.SPECIAL_KEYS
-    assert sorted(k[0] for k in kernels.ready) == list(rows)[: triton_copy.SPECIAL_KEYS]
+    assert sorted(k[1] for k in kernels.ready) == list(rows)[: triton_copy.SPECIAL_KEYS]
     for row in rows:  # the first SPECIAL_KEYS lengths fixed, the rest generic, all exact
         c = Case(row, torch.int32, seed=9)
         c.run()
@@ -133,10 +133,15 @@ class _Raising:
         return run
 
 
+def _break_fixed(kernels: triton_copy.Kernels) -> None:
+    assert kernels.forms is not None
+    kernels.forms = {kind: (g, _Raising()) for kind, (g, _) in kernels.forms.items()}
+
+
 def test_a_failing_compile_leaves_the_generic_form(kernels, caplog) -> None:
     c = Case(32, torch.int64)
     c.run()  # builds both forms
-    kernels.fixed = _Raising()
+    _break_fixed(kernels)
     with caplog.at_level(logging.WARNING, logger=triton_copy.__name__):
         c.run()  # queues the compile, which fails
         assert triton_copy.wait_compiled(60)
@@ -154,7 +159,7 @@ def test_a_failing_fixed_launch_copies_with_the_generic_form(kernels, caplog) ->
     for _ in range(triton_copy.SPECIALISE_AFTER):
         c.run()
     assert triton_copy.wait_compiled(120) and kernels.ready
-    kernels.fixed = _Raising()
+    _break_fixed(kernels)
     again = Case(40, torch.int16, seed=4)
     with caplog.at_level(logging.WARNING, logger=triton_copy.__name__):
         assert again.run()
@@ -191,3 +196,75 @@ def test_the_forms_benchmark_checks_its_bytes(kernels: triton_copy.Kernels) -> N
     for shape in SHAPES:
         out = line(shape, 8, torch.device(DEVICE), 1)
         assert out.endswith("  ok"), out
+
+
+class GridCase:
+    """A grid of ``T`` pattern runs × ``B`` tiles of ``row`` words (disjoint: pattern runs
+    at distinct slots of a block, distinct block ids), and its per-run reference."""
+
+    def __init__(self, row: int, dtype: torch.dtype, t: int = 5, b: int = 13, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.row, self.stride = row, row * (t + 2)
+        self.s_t = rng.permutation(t + 2)[:t] * row
+        self.d_t = rng.permutation(t + 2)[:t] * row + 1  # words need not align to rows
+        self.s_id, self.d_id = rng.permutation(2 * b)[:b], rng.permutation(2 * b)[:b]
+        size = 2 * b * self.stride + 2
+        self.src = torch.from_numpy(rng.integers(0, 100, size, dtype=np.int64)).to(dtype)
+        self.src = self.src.to(DEVICE)
+        self.dst = torch.zeros(size, dtype=dtype, device=DEVICE)
+
+    def run(self) -> bool:
+        def on(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(a, dtype=torch.int64, device=DEVICE)
+
+        return triton_copy.grid(
+            self.dst, on(self.d_t), on(self.d_id), self.stride,
+            self.src, on(self.s_t), on(self.s_id), self.stride, self.row,
+        )  # fmt: skip
+
+    def check(self) -> None:
+        want = np.zeros(self.dst.numel(), dtype=np.int64)
+        src = self.src.cpu().to(torch.int64).numpy()
+        for t in range(self.s_t.shape[0]):
+            for b in range(self.s_id.shape[0]):
+                s = self.s_t[t] + self.s_id[b] * self.stride
+                d = self.d_t[t] + self.d_id[b] * self.stride
+                want[d : d + self.row] = src[s : s + self.row]
+        assert np.array_equal(self.dst.cpu().to(torch.int64).numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8], ids=str)
+@pytest.mark.parametrize("row", [1, 5, 64, 1500])
+def test_the_grid_kernel_copies_exactly_in_both_forms(kernels, row: int, dtype) -> None:
+    cases = [GridCase(row, dtype, seed=i) for i in range(3)]
+    for c in cases[:2]:
+        assert c.run()
+        c.check()
+    assert triton_copy.wait_compiled(120)
+    assert [k[:2] for k in kernels.ready] == [("grid", row)]
+    assert cases[2].run()
+    cases[2].check()
+    assert kernels.launches == {"generic": 2, "fixed": 1}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fused kernel copies CUDA memory only")
+def test_grid_copy_takes_the_grid_kernel_on_cuda(kernels) -> None:
+    from kvbridge.connector.device_copies import GridCopy, grid_copy
+
+    rng = np.random.default_rng(5)
+    stride, t, b = 4096, 6, 40
+    g = GridCopy(
+        rng.permutation(8)[:t] * 512, rng.permutation(2 * b)[:b], stride,
+        rng.permutation(8)[:t] * 512, rng.permutation(2 * b)[:b], stride, 512,
+    )  # fmt: skip
+    src = torch.randint(0, 256, (2 * b * stride,), dtype=torch.uint8, device=DEVICE)
+    dst = torch.zeros_like(src)
+    grid_copy(dst, src, g, 512)
+    want = torch.zeros_like(src).cpu().numpy()
+    host = src.cpu().numpy()
+    for i in range(t):
+        for j in range(b):
+            s, d = g.s_t[i] + g.s_ids[j] * stride, g.d_t[i] + g.d_ids[j] * stride
+            want[d : d + 512] = host[s : s + 512]
+    assert np.array_equal(dst.cpu().numpy(), want)
+    assert kernels.launches["generic"] == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,66 @@ def checked_copy(
         d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
         low = min(divisor & -divisor, 8)  # the widest power of two ≤ 8 dividing it
         _copy(dst, d, src, s, size, _word(size, low, dst, src), divisor % size == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class GridCopy:
+    """``T × B`` runs of ``size`` bytes given as a grid: run ``(t, b)`` from ``s_t[t] +
+    s_ids[b] · s_stride`` to ``d_t[t] + d_ids[b] · d_stride`` (byte offsets, block ids,
+    block strides in bytes; :class:`kvbridge.plan.runs.Grid` of one length)."""
+
+    d_t: np.ndarray
+    d_ids: np.ndarray
+    d_stride: int
+    s_t: np.ndarray
+    s_ids: np.ndarray
+    s_stride: int
+    size: int
+
+
+def grid_copy(
+    dst: torch.Tensor, src: torch.Tensor, g: GridCopy, divisor: int, *, stream: Any = None
+) -> None:
+    """:func:`checked_copy` of the runs of grid ``g``, checked by the caller as there
+    (``divisor`` divides every offset and both strides). Only ``T + B`` offsets and ids
+    go to the device, in one transfer; where the fused kernel runs, no run's offsets are
+    made at all (the kernel makes them), else they are made on the device for torch's
+    copies."""
+    _check_tensors(dst, src, g.size)
+    if divisor <= 0:
+        raise TransportError(f"a divisor of {divisor} B")
+    if g.d_t.shape != g.s_t.shape or g.d_ids.shape != g.s_ids.shape or g.d_t.ndim != 1:
+        raise TransportError(f"a grid of {g.d_t.shape}/{g.s_t.shape} runs per tile and "
+                             f"{g.d_ids.shape}/{g.s_ids.shape} tiles")  # fmt: skip
+    if not g.d_t.shape[0] or not g.d_ids.shape[0]:
+        return
+    low = min(divisor & -divisor, 8)  # the widest power of two ≤ 8 dividing it
+    w = _word(g.size, low, dst, src)
+    row, d_str, s_str = g.size // w, g.d_stride // w, g.s_stride // w
+    with _on(stream, dst):
+        d_t, d_ids, s_t, s_ids = _together((g.d_t // w, g.d_ids, g.s_t // w, g.s_ids), dst.device)
+        dw, sw = _words(dst, w), _words(src, w)
+        fused = dst.is_cuda and triton_enabled()
+        if fused and triton_copy.grid(dw, d_t, d_ids, d_str, sw, s_t, s_ids, s_str, row):
+            return
+        d = (d_t[:, None] + d_ids * d_str).reshape(-1)
+        s = (s_t[:, None] + s_ids * s_str).reshape(-1)
+        if divisor % g.size == 0:  # whole rows
+            _rows(dw, _div(d, row), sw, _div(s, row), row)
+        else:
+            _flat(dw, d, sw, s, row)
+
+
+def _together(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
+    """Small int64 arrays on ``device`` in one transfer (CUDA: from a new pinned block,
+    not waiting for the stream), each starting 16-B aligned."""
+    sizes = [int(a.shape[0]) for a in arrays]
+    starts = np.cumsum([0] + [n + n % 2 for n in sizes])  # an even count: 16-B starts
+    flat = np.zeros(int(starts[-1]), dtype=np.int64)
+    for a, lo, n in zip(arrays, starts, sizes, strict=False):
+        flat[lo : lo + n] = a
+    out = _offsets(flat, device)
+    return [out[lo : lo + n] for lo, n in zip(starts, sizes, strict=False)]
 
 
 def _on(stream: Any, dst: torch.Tensor) -> contextlib.AbstractContextManager[Any]:

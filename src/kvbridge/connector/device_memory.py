@@ -65,6 +65,23 @@ class Span:
                     f"its memory ({top} bytes)"
                 )
 
+    def check_grid(
+        self, off: np.ndarray, ids: np.ndarray, stride: int, length: np.ndarray, what: str
+    ) -> None:
+        """:meth:`check` of a grid's runs (run ``(t, b)`` at ``off[t] + ids[b] ·
+        stride``, ``length[t]`` bytes) from the extremes of ``off`` and ``ids``: exact,
+        since every run of the grid exists; a run outside is named as :meth:`check` names
+        it (the grid expanded only then)."""
+        if not off.shape[0] or not ids.shape[0]:
+            return
+        a, b = int(ids.min()) * stride, int(ids.max()) * stride
+        lo = int(off.min()) + min(a, b)
+        hi = int((off + length).max()) + max(a, b)
+        if lo < 0 or int(length.min()) <= 0 or hi > self.tensor.shape[0]:
+            runs = (off[:, None] + ids * stride).ravel()
+            every = np.repeat(length, ids.shape[0])
+            self.check(runs, every, what, (0, hi - int(runs.min())))  # the slow way: names it
+
     def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
         """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not
         inside one region is a :class:`TransportError` before any byte moves."""

@@ -11,18 +11,19 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvbridge.connector.device_copies import checked_copy
+from kvbridge.connector.device_copies import GridCopy, checked_copy, grid_copy
 from kvbridge.connector.device_memory import Span, equal_runs
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region, regions_at
 from kvbridge.plan.geometry import Geometry
-from kvbridge.plan.runs import Runs
+from kvbridge.plan.runs import Grid, Runs
 from kvbridge.transport.ipc import Opened, node_id
 from kvbridge.transport.memory import torch_device
 
@@ -176,10 +177,8 @@ class KernelMover:
                         "planned (P restarted?)"
                     )
                 divisor = over.divisors[src]
-                for d, s, size in copy_groups(span, self.dst, r, f"P rank {src}'s"):
-                    checked_copy(
-                        self.dst.tensor, d, span.tensor, s, size, divisor, stream=self.stream
-                    )
+                for c in copy_groups(span, self.dst, r, f"P rank {src}'s"):
+                    run_copy(self.dst, span, c, divisor, self.stream)
                     out.calls += 1
         except BaseException:
             out.finish()
@@ -276,12 +275,18 @@ class Launched:
         return self.calls
 
 
-def copy_groups(
-    src: Span, dst: Span, r: Runs, what: str
-) -> list[tuple[np.ndarray, np.ndarray, int]]:
+Copy = tuple[np.ndarray, np.ndarray, int] | GridCopy
+"""One copy call's runs: ``(destination offsets, source offsets, bytes per run)``, or a
+grid of runs of one length."""
+
+
+def copy_groups(src: Span, dst: Span, r: Runs, what: str) -> list[Copy]:
     """Runs ``r`` planned over the spans' offsets (:meth:`KernelMover.geometry`), each
-    bounds-checked, as few groups of one length as possible: ``[(destination offsets,
-    source offsets, bytes per run)]``, one copy call each."""
+    bounds-checked, as few copies of one length as possible, one copy call each. A plan's
+    grids (:class:`~kvbridge.plan.runs.Grid`) stay grids: each checked from its ``T``
+    offsets and ``B`` ids, one :class:`GridCopy` per length among its ``T`` runs."""
+    if r.grids is not None:
+        return [c for g in r.grids if len(g) for c in _grid_copies(src, dst, g, what)]
     if not len(r):
         return []
     lengths = (int(r.length.min()), int(r.length.max()))
@@ -289,7 +294,27 @@ def copy_groups(
     dst.check(r.dst, r.length, "this rank's", lengths)
     if lengths[0] == lengths[1]:
         return [(r.dst, r.src, lengths[0])]
-    return equal_runs(r.dst, r.src, r.length)
+    return list(equal_runs(r.dst, r.src, r.length))
+
+
+def _grid_copies(src: Span, dst: Span, g: Grid, what: str) -> list[Copy]:
+    src.check_grid(g.soff, g.pid, g.sstride, g.length, what)
+    dst.check_grid(g.doff, g.did, g.dstride, g.length, "this rank's")
+    sizes = np.unique(g.length)
+    picks = [slice(None)] if sizes.shape[0] == 1 else [g.length == n for n in sizes]
+    return [
+        GridCopy(g.doff[p], g.did, g.dstride, g.soff[p], g.pid, g.sstride, int(n))
+        for p, n in zip(picks, sizes, strict=True)
+    ]
+
+
+def run_copy(dst: Span, src: Span, c: Copy, divisor: int, stream: Any) -> None:
+    """One copy call of :func:`copy_groups`' output (queued on ``stream`` on a GPU)."""
+    if isinstance(c, GridCopy):
+        grid_copy(dst.tensor, src.tensor, c, divisor, stream=stream)
+    else:
+        d, s, size = c
+        checked_copy(dst.tensor, d, src.tensor, s, size, divisor, stream=stream)
 
 
 def kernel_mover(regions: list[Region]) -> KernelMover | None:
@@ -300,4 +325,4 @@ def kernel_mover(regions: list[Region]) -> KernelMover | None:
         return None
 
 
-__all__ = ["KernelMover", "Launched", "Over", "copy_groups", "kernel_mover"]
+__all__ = ["KernelMover", "Launched", "Over", "copy_groups", "kernel_mover", "run_copy"]

@@ -1,22 +1,25 @@
-"""The fused Triton kernel behind :mod:`kvbridge.connector.device_copies`: ``n`` runs of
-``row`` words, a program per tile of runs.
+"""The fused Triton kernels behind :mod:`kvbridge.connector.device_copies`: runs of
+``row`` words, a program per tile of runs. Two kinds: ``runs`` (an offset per run and
+side, :func:`copy`) and ``grid`` (a plan's :class:`~kvbridge.plan.runs.Grid`: per tile
+pattern run an offset, per tile a block id, per side a stride; the kernel makes each
+run's offsets, :func:`grid`).
 
-Two compiled forms of one kernel body. The generic form takes ``row`` at run time: one
-compile per word type and pointer alignment, whatever the lengths. The fixed form has
+Each kind in two compiled forms of one body. The generic form takes ``row`` at run time:
+one compile per word type and pointer alignment, whatever the lengths. The fixed form has
 ``row`` as a compile-time constant (measured 7–29 % faster on an H200: docs/gpu.md, "The
 copy kernel"), one compile per length, so it is kept for lengths a process copies again
 and again, and off the copy path:
 
-- a length (with its word type and device) seen in :data:`SPECIALISE_AFTER` calls is
-  compiled in the fixed form on a thread of its own (one compile at a time), at most
+- a (kind, length, word type, device) seen in :data:`SPECIALISE_AFTER` calls is compiled
+  in the fixed form on a thread of its own (one compile at a time), at most
   :data:`SPECIAL_KEYS` of them per process: the compile cache stays bounded;
 - a copy takes the fixed form once that compile ended and every pointer is 16-byte
   aligned (what the compile assumed), the generic form otherwise;
-- a failing compile turns the fixed form off for the process (logged once); the generic
-  form goes on. ``KVBRIDGE_TRITON_SPECIALISE=0``: the generic form only.
+- a failing compile or launch turns the fixed form off for the process (logged once);
+  the generic form goes on. ``KVBRIDGE_TRITON_SPECIALISE=0``: the generic form only.
 
-A failure of the generic form itself (no Triton, no compiler) makes :func:`copy` return
-False for the rest of the process: torch's copies take over.
+A failure of a generic form itself (no Triton, no compiler) makes :func:`copy` and
+:func:`grid` return False for the rest of the process: torch's copies take over.
 """
 
 from __future__ import annotations
@@ -39,22 +42,22 @@ log = logging.getLogger(__name__)
 SPECIALISE_AFTER = 2
 """Calls with one length before its fixed form is compiled (a one-off costs nothing)."""
 SPECIAL_KEYS = 8
-"""Most fixed forms one process compiles: (length, word type, device) each."""
+"""Most fixed forms one process compiles: (kind, length, word type, device) each."""
 TILE_WORDS = 1024
 """Words a program moves per step: ``BLOCK`` of each of ``RUNS`` runs."""
 
-Key = tuple[int, torch.dtype, str]
+Key = tuple[str, int, torch.dtype, str]
+"""``(kind, row, word type, device)``: what a fixed form is compiled for."""
 
 
 @dataclass(slots=True)
 class Kernels:
-    """The kernel's state in this process: built on first use; ``failed`` once the
-    generic form would not build or launch. ``seen``: calls per key not yet fixed;
-    ``ready``: keys whose fixed form compiled (with the compile's seconds); ``launches``:
-    copies per form."""
+    """The kernels' state in this process: ``forms`` (per kind of copy, its generic and
+    fixed form) built on first use; ``failed`` once a generic form would not build or
+    launch. ``seen``: calls per key not yet fixed; ``ready``: keys whose fixed form
+    compiled (with the compile's seconds); ``launches``: copies per form."""
 
-    generic: Any = None
-    fixed: Any = None
+    forms: dict[str, tuple[Any, Any]] | None = None
     failed: bool = False
     fixed_failed: bool = False
     seen: Counter[Key] = field(default_factory=Counter)
@@ -74,13 +77,40 @@ def copy(
     """``dw[d_w[i] : d_w[i] + row] = sw[s_w[i] : s_w[i] + row]`` for every run ``i`` (word
     offsets, int64, on the words' device), queued on the current stream; False, nothing
     copied, if Triton is missing or the kernel fails to build or launch."""
+    n = d_w.numel()
+    return _run("runs", (dw, d_w, sw, s_w, n), row, n, (dw, d_w, sw, s_w))
+
+
+def grid(
+    dw: torch.Tensor,
+    d_t: torch.Tensor,
+    d_id: torch.Tensor,
+    d_str: int,
+    sw: torch.Tensor,
+    s_t: torch.Tensor,
+    s_id: torch.Tensor,
+    s_str: int,
+    row: int,
+) -> bool:
+    """:func:`copy` of the ``T × B`` runs of a grid (:class:`kvbridge.plan.runs.Grid`, in
+    words): run ``(t, b)`` from ``s_t[t] + s_id[b] · s_str`` to ``d_t[t] + d_id[b] ·
+    d_str``; the kernel makes each run's offsets, none are written out."""
+    nb = d_id.numel()
+    n = d_t.numel() * nb
+    args = (dw, d_t, d_id, d_str, sw, s_t, s_id, s_str, nb, n)
+    return _run("grid", args, row, n, (dw, d_t, d_id, sw, s_t, s_id))
+
+
+def _run(
+    kind: str, args: tuple[Any, ...], row: int, n: int, ptrs: tuple[torch.Tensor, ...]
+) -> bool:
     st = STATE
     if st.failed:
         return False
     try:
-        if st.generic is None:
-            st.generic, st.fixed = _build()
-        _launch(st, dw, d_w, sw, s_w, row)
+        if st.forms is None:
+            st.forms = _build()
+        _launch(st, kind, args, row, n, ptrs)
     except Exception as exc:  # any Triton failure: no kernel ran, torch copies instead
         st.failed = True
         log.warning("Triton row copy unavailable (%s: %s); using torch", type(exc).__name__, exc)
@@ -89,22 +119,24 @@ def copy(
 
 
 def _launch(
-    st: Kernels, dw: torch.Tensor, d_w: torch.Tensor, sw: torch.Tensor, s_w: torch.Tensor, row: int
+    st: Kernels, kind: str, args: tuple[Any, ...], row: int, n: int, ptrs: tuple[torch.Tensor, ...]
 ) -> None:
-    n = d_w.numel()
-    grid, runs, block = tiles(row, n)
-    key: Key = (row, dw.dtype, str(dw.device))
+    assert st.forms is not None
+    generic, fixed = st.forms[kind]
+    dw = ptrs[0]
+    grid_, runs, block = tiles(row, n)
+    key: Key = (kind, row, dw.dtype, str(dw.device))
     on = torch.cuda.device(dw.device) if dw.is_cuda else contextlib.nullcontext()
     with on:  # launch in the memory's context
-        if key in st.ready and not st.fixed_failed and _aligned16(dw, d_w, sw, s_w):
+        if key in st.ready and not st.fixed_failed and _aligned16(*ptrs):
             try:
-                st.fixed[grid](dw, d_w, sw, s_w, n, ROW=row, RUNS=runs, BLOCK=block)
+                fixed[grid_](*args, ROW=row, RUNS=runs, BLOCK=block)
             except Exception as exc:  # nothing launched: the generic form copies
                 _fixed_off(st, exc)
             else:
                 st.launches["fixed"] += 1
                 return
-        st.generic[grid](dw, d_w, sw, s_w, n, row, RUNS=runs, BLOCK=block)
+        generic[grid_](*args, row, RUNS=runs, BLOCK=block)
         st.launches["generic"] += 1
     _saw(st, key, runs, block)
 
@@ -143,17 +175,17 @@ def _saw(st: Kernels, key: Key, runs: int, block: int) -> None:
 
 def _compile(st: Kernels, key: Key, runs: int, block: int) -> None:
     """Compile ``key``'s fixed form (no launch), then mark it ready; one at a time."""
-    row, dtype, device = key
+    kind, row, dtype, device = key
     with st.compiling:
         t0 = time.perf_counter()
         try:
+            assert st.forms is not None
             dev = torch.device(device)
             on = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
             with on:
-                kernel = st.fixed.warmup(
-                    dtype, torch.int64, dtype, torch.int64, TILE_WORDS,
-                    ROW=row, RUNS=runs, BLOCK=block, grid=(1,),
-                )  # fmt: skip
+                kernel = st.forms[kind][1].warmup(
+                    *_like(kind, dtype), ROW=row, RUNS=runs, BLOCK=block, grid=(1,)
+                )
                 load = getattr(kernel, "_init_handles", None)
                 if callable(load):  # the module into the context now, not at the copy
                     load()
@@ -162,6 +194,14 @@ def _compile(st: Kernels, key: Key, runs: int, block: int) -> None:
             return
         with st.lock:
             st.ready[key] = time.perf_counter() - t0
+
+
+def _like(kind: str, dtype: torch.dtype) -> tuple[Any, ...]:
+    """Arguments standing for a copy's (Triton's warm-up takes a dtype for a 16-B aligned
+    tensor; integers not specialised on their value, below 2³¹ as a copy's are)."""
+    if kind == "runs":
+        return (dtype, torch.int64, dtype, torch.int64, TILE_WORDS)
+    return (dtype, torch.int64, torch.int64, 3, dtype, torch.int64, torch.int64, 3, 3, TILE_WORDS)
 
 
 def _fixed_off(st: Kernels, exc: Exception) -> None:
@@ -181,13 +221,13 @@ def facts() -> dict[str, Any]:
     st = STATE
     with st.lock:
         ready = sorted(
-            ({"row": r, "dtype": str(d).removeprefix("torch."), "device": dev, "compile_s": s}
-             for (r, d, dev), s in st.ready.items()),
-            key=lambda f: (f["row"], f["dtype"]),
+            ({"kind": k, "row": r, "dtype": str(d).removeprefix("torch."), "device": dev,
+              "compile_s": s} for (k, r, d, dev), s in st.ready.items()),
+            key=lambda f: (f["kind"], f["row"], f["dtype"]),
         )  # fmt: skip
         return {
             "failed": st.failed,
-            "built": st.generic is not None,
+            "built": st.forms is not None,
             "fixed_failed": st.fixed_failed,
             "fixed_ready": ready,
             "fixed_queued": len(st.queued),
@@ -206,9 +246,9 @@ def wait_compiled(timeout_s: float) -> bool:
     return False
 
 
-def _build() -> tuple[Any, Any]:
-    """The two forms (generic, fixed), imported on first use: importing Triton costs
+def _build() -> dict[str, tuple[Any, Any]]:
+    """Each kind's (generic, fixed) forms, imported on first use: importing Triton costs
     hundreds of milliseconds that a host-only process never pays."""
     from kvbridge.connector import triton_kernels
 
-    return triton_kernels.generic, triton_kernels.fixed
+    return dict(triton_kernels.FORMS)

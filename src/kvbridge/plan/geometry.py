@@ -36,7 +36,7 @@ from kvbridge.plan.pattern import (
     tile_of,
 )
 from kvbridge.plan.plan import Plan, Use
-from kvbridge.plan.runs import Runs
+from kvbridge.plan.runs import Grid, Runs
 from kvbridge.plan.tables import Tables, table, unchecked
 from kvbridge.plan.tables import spans as tile_spans_of
 from kvbridge.spec.model import ModelSpec
@@ -248,8 +248,8 @@ class Geometry:
             ((src, js),) = jobs.items()
             chk = self.checks[src]
             if len(js) == 1 and (chk is None or (chk.one >= 0 and not (w and w[2][0]))):
-                _, _, pat, k_lo, k_hi = js[0]  # as it comes: nothing can or does continue
-                return Plan({src: Runs(*_apply(pat, tab, k_lo, k_hi, gg))}, uses)
+                # as they come: nothing can or does continue
+                return Plan({src: _as_they_come(js, tabs, self.groups)}, uses)
         keys = {gg.pool: w}
         return Plan({src: self._rank(src, js, tabs, keys) for src, js in jobs.items()}, uses)
 
@@ -263,10 +263,7 @@ class Geometry:
             one = chk.one  # its only link, a streak told by a count, or -1
             if one < 0 or (one in tabs and (w := keys[chk.fast[0].pool]) is not None and w[2][0]):
                 return self._joined(chk, jobs, tabs, keys)
-        if len(jobs) == 1:
-            g, _, pat, k_lo, k_hi = jobs[0]
-            return Runs(*_apply(pat, tabs[g], k_lo, k_hi, self.groups[g]))
-        return Runs(*_applied(jobs, tabs, self.groups))
+        return _as_they_come(jobs, tabs, self.groups)
 
     def _joined(
         self, chk: Checks, jobs: list[Job], tabs: dict[int, Tab], keys: dict[int, Keys | None]
@@ -367,6 +364,20 @@ def _jobs(
 def _count(b: Bucket, spans: tuple[tuple[int, ...], ...]) -> int:
     """Runs ``spans`` take before any merge (pattern runs × tiles)."""
     return sum(b.pattern(s, t).length.shape[0] * (hi - lo) for lo, hi, s, t, _ in spans)
+
+
+def _as_they_come(jobs: list[Job], tabs: dict[int, Tab], groups: Sequence[GroupGeom]) -> Runs:
+    """One source rank's runs, nothing merged: a :class:`Grid` per job (expanded only if
+    a mover asks) where every job has one block per side and tile and one stride per
+    side, else applied."""
+    grids = []
+    for g, _, pat, k_lo, k_hi in jobs:
+        gg, tab = groups[g], tabs[g]
+        if not (gg.p_per_tile == 1 and gg.d_per_tile == 1 and pat.sstride and pat.dstride):
+            return Runs(*_applied(jobs, tabs, groups))
+        pid, did = tab[0][k_lo:k_hi], tab[1][k_lo:k_hi]
+        grids.append(Grid(pat.soff, pat.doff, pat.length, pat.sstride, pat.dstride, pid, did))
+    return Runs.of(*grids)
 
 
 def _apply(pat: Pattern, tab: Tab, k_lo: int, k_hi: int, gg: GroupGeom) -> Triple:
