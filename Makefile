@@ -24,6 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests examples tools benchmarks
 	$(BIN)/ruff format --check src tests examples tools benchmarks
 	$(BIN)/python tools/check_sizes.py
+	$(BIN)/python tools/check_imports.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

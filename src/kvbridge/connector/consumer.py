@@ -6,9 +6,7 @@ state machine and :meth:`Consumer.poll` returns finished and failed requests:
     QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE
        └──────────┴──────────┴─────────┴──► FAILED   (any error, deadline or lapsed lease)
 
-Verification on lease time, renewals while queued and the fence that holds a failure
-until no byte can land: ``docs/faults.md``.
-"""
+Lease-time verification, renewals and the fence holding a failure: ``docs/faults.md``."""
 
 from __future__ import annotations
 
@@ -23,15 +21,17 @@ import numpy as np
 
 from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
-from kvbridge.connector.inline import Started, abandon, start, taken_over
+from kvbridge.connector.inline import abandon, start, taken_over
 from kvbridge.connector.kernel_mover import kernel_mover
-from kvbridge.connector.lease_calls import Answer, LeaseCalls
+from kvbridge.connector.lease_calls import LeaseCalls
 from kvbridge.connector.load import (
     NO_TABLES,
     LoadState,
     Mode,
     Outcome,
     Policy,
+    Reply,
+    Started,
     _Load,
     failed_blocks,
 )
@@ -278,7 +278,7 @@ class Consumer:
         else:  # P frees the blocks when every D rank has confirmed: tell it, off the path
             self._tell_p.submit(self.leases.confirm_later, peer, job, time.monotonic())
 
-    def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, Answer]:
+    def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, Reply]:
         """``begin`` sent, the plan made while P answers (in a mover's own geometry where
         one asks for it, :func:`plan_geometry`) → (plan, monotonic time begin was sent,
         P's answer still to take)."""
@@ -300,7 +300,7 @@ class Consumer:
         finally:
             job.lap("plan")
 
-    def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Answer) -> tuple[str, str, float]:
+    def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Reply) -> tuple[str, str, float]:
         """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where the
         mover moving it runs early (:func:`~kvbridge.connector.movers.early`: the kernel
         mover on a GPU reads P's memory in place and asks P nothing), while P answers:

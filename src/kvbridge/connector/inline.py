@@ -10,36 +10,29 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvbridge.connector.lease_calls import Answer
-from kvbridge.connector.load import LoadState, _Load
-from kvbridge.connector.movers import launch_early, plan_ready
-from kvbridge.connector.peers import Peer
+from kvbridge.connector.load import LoadState, Reply, Started, _Load
+from kvbridge.connector.movers import Rank, launch_early, plan_ready
+from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.plan.plan import Plan
-
-if TYPE_CHECKING:
-    from kvbridge.connector.consumer import Consumer
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Started:
-    """What :func:`start` did: the peer (in use), the plan (None: planning failed with
-    ``error``), when ``begin`` was sent, P's answer to take, and the load's start
-    (``perf_counter``: the end of its ``queue`` stage)."""
+class Starting(Rank, Protocol):
+    """What the inline start uses of a D rank (a
+    :class:`~kvbridge.connector.consumer.Consumer` is one)."""
 
-    peer: Peer
-    plan: Plan | None
-    begun: float
-    answer: Answer
-    error: Exception | None
-    t0: float
+    @property
+    def peers(self) -> PeerCache: ...
+
+    def release_peer(self, peer: Peer) -> None: ...
+
+    def plan(self, peer: Peer, job: _Load) -> Plan: ...
 
 
-def start(d: Consumer, job: _Load) -> Started | None:
+def start(d: Starting, job: _Load) -> Started | None:
     """``job`` started on the caller's thread, where nothing waits: P known (no
     handshake), nothing to map or make (:func:`plan_ready`), the peer's fast channel free
     (:meth:`LeaseCalls.try_begin`); then ``begin`` sent, the plan made, an early mover
@@ -77,7 +70,7 @@ def start(d: Consumer, job: _Load) -> Started | None:
     return Started(peer, plan, begun, answer, None, t0)
 
 
-def abandon(d: Consumer, job: _Load, started: Started, call: Callable[..., object]) -> None:
+def abandon(d: Starting, job: _Load, started: Started, call: Callable[..., object]) -> None:
     """A load :func:`start` began that no worker will run (:meth:`Consumer.close`, or
     ``load`` failing after it): P's answer taken (its channel freed), the copies ended,
     ``fail`` sent (through ``call``: at once, or by another thread), the peer released."""
@@ -91,7 +84,7 @@ def abandon(d: Consumer, job: _Load, started: Started, call: Callable[..., objec
     d.peers.done(started.peer)
 
 
-def taken_over(job: _Load, started: Started) -> tuple[Peer, Plan, float, Answer]:
+def taken_over(job: _Load, started: Started) -> tuple[Peer, Plan, float, Reply]:
     """A worker takes over a load :func:`start` began: (peer, plan, when ``begin`` was
     sent, P's answer); its error raised once P's answer was taken (the token goes with
     ``fail``)."""

@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer
@@ -16,8 +16,32 @@ from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
 
 if TYPE_CHECKING:
-    from kvbridge.connector.inline import Started
     from kvbridge.connector.kernel_mover import Launched, Over
+    from kvbridge.plan.plan import Plan
+
+
+class Reply(Protocol):
+    """P's answer to a load's ``begin``, taken once
+    (:class:`~kvbridge.connector.lease_calls.Answer`)."""
+
+    waited: float
+
+    def take(self, quiet: bool = False) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """What a load's start on the engine's thread did (:mod:`kvbridge.connector.inline`):
+    the peer (in use), the plan (None: planning failed with ``error``), when ``begin``
+    was sent, P's answer to take, and the load's start (``perf_counter``: the end of its
+    ``queue`` stage)."""
+
+    peer: Peer
+    plan: Plan | None
+    begun: float
+    answer: Reply
+    error: Exception | None
+    t0: float
 
 
 class Policy(enum.StrEnum):

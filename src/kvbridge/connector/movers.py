@@ -11,10 +11,11 @@ keeps the slot out of the pool.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -29,7 +30,59 @@ from kvbridge.plan.plan import Plan
 from kvbridge.registry import Registry
 
 if TYPE_CHECKING:
-    from kvbridge.connector.consumer import Consumer
+    from kvbridge.connector.kernel_mover import KernelMover
+    from kvbridge.connector.lease_calls import LeaseCalls
+    from kvbridge.connector.staging import Stager
+    from kvbridge.transport.base import Transport
+
+
+class Rank(Protocol):
+    """What the movers use of a D rank: its memory's movers (``kernel``, ``stager``,
+    ``transport``), how it moves (``mode``, ``staging``, ``post_runs``, ``timeout_s``),
+    AUTO's measured ``directions`` and their lock, its lease calls, its identity for P,
+    and its notification wait. A :class:`~kvbridge.connector.consumer.Consumer` is one;
+    the movers never see the rest of it."""
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def metadata(self) -> bytes: ...
+
+    @property
+    def kernel(self) -> KernelMover | None: ...
+
+    @property
+    def stager(self) -> Stager | None: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def movers(self) -> tuple[MoverKind, ...]: ...
+
+    @property
+    def mode(self) -> Mode: ...
+
+    @property
+    def staging(self) -> bool: ...
+
+    @property
+    def post_runs(self) -> int: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    @property
+    def directions(self) -> dict[tuple[str, str], Directions]: ...
+
+    @property
+    def measuring(self) -> threading.Lock: ...
+
+    @property
+    def leases(self) -> LeaseCalls: ...
+
+    def await_notifs(self, want: set[bytes], deadline: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +102,12 @@ class MoverKind:
 
     name: str
     order: int
-    serves: Callable[[Consumer, Peer, Plan, _Load], str]
-    run: Callable[[Consumer, Peer, Plan, _Load], None]
-    plan_in: Callable[[Consumer, Peer, _Load], Geometry | None] | None = None
-    early: Callable[[Consumer], bool] | None = None
-    ready: Callable[[Consumer, Peer], bool] | None = None
-    launch: Callable[[Consumer, Peer, Plan, _Load], None] | None = None
+    serves: Callable[[Rank, Peer, Plan, _Load], str]
+    run: Callable[[Rank, Peer, Plan, _Load], None]
+    plan_in: Callable[[Rank, Peer, _Load], Geometry | None] | None = None
+    early: Callable[[Rank], bool] | None = None
+    ready: Callable[[Rank, Peer], bool] | None = None
+    launch: Callable[[Rank, Peer, Plan, _Load], None] | None = None
 
 
 _MOVERS: Registry[MoverKind] = Registry("mover")
@@ -73,7 +126,7 @@ def movers() -> tuple[MoverKind, ...]:
     return tuple(sorted((_MOVERS.get(n) for n in _MOVERS.names()), key=lambda m: m.order))
 
 
-def plan_geometry(d: Consumer, peer: Peer, job: _Load) -> Geometry:
+def plan_geometry(d: Rank, peer: Peer, job: _Load) -> Geometry:
     """The geometry ``job`` is planned in: the first mover's own (``job.planned_in``
     names it), else the pair's."""
     job.planned_in = ""
@@ -86,13 +139,13 @@ def plan_geometry(d: Consumer, peer: Peer, job: _Load) -> Geometry:
     return peer.geometry
 
 
-def plan_ready(d: Consumer, peer: Peer) -> bool:
+def plan_ready(d: Rank, peer: Peer) -> bool:
     """Whether :func:`plan_geometry` would answer at once for ``peer`` (no mapping or
     geometry to make first)."""
     return all(m.plan_in is None or (m.ready is not None and m.ready(d, peer)) for m in d.movers)
 
 
-def launch_early(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> bool:
+def launch_early(d: Rank, peer: Peer, plan: Plan, job: _Load) -> bool:
     """Where the mover ``job`` was planned for is early and serves it, start it now
     (:attr:`MoverKind.launch`): ``job.launched_by`` names it and why → whether it did."""
     m = next((m for m in d.movers if m.name == job.planned_in), None)
@@ -106,14 +159,14 @@ def launch_early(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> bool:
     return True
 
 
-def early(d: Consumer, job: _Load) -> bool:
+def early(d: Rank, job: _Load) -> bool:
     """Whether the mover ``job`` was planned for takes P's ``begin`` answer itself, while
     it moves (:attr:`MoverKind.early`)."""
     m = next((m for m in d.movers if m.name == job.planned_in), None)
     return m is not None and m.early is not None and m.early(d)
 
 
-def transfer(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
+def transfer(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
     """Move ``plan``'s runs with the first mover that serves this load: ``(mover, why)``."""
     if job.launched_by is not None:  # started on the engine's thread: its run ends it
         name, why = job.launched_by
@@ -128,19 +181,19 @@ def transfer(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]
     raise KVBridgeError(f"no mover serves the load of {job.handle.request_id!r}")
 
 
-def _kernel_plan_in(d: Consumer, peer: Peer, job: _Load) -> Geometry | None:
+def _kernel_plan_in(d: Rank, peer: Peer, job: _Load) -> Geometry | None:
     over, job.no_kernel = d.kernel.geometry(peer) if d.kernel else (None, "D maps nothing")
     job.mapped = over
     return over.geometry if over else None
 
 
-def _kernel_serves(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> str:
+def _kernel_serves(d: Rank, peer: Peer, plan: Plan, job: _Load) -> str:
     if d.kernel is None or job.mapped is None:
         return ""
     return "P's memory is mapped here (same node)"
 
 
-def _kernel_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
+def _kernel_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     assert d.kernel is not None and job.mapped is not None
     if job.launched is not None:  # launched on the engine's thread (_kernel_launch)
         job.posted += job.launched.finish(job.answer)
@@ -148,12 +201,12 @@ def _kernel_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
         job.posted += d.kernel.move(peer, plan.runs, job.mapped, meanwhile=job.answer)
 
 
-def _kernel_launch(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
+def _kernel_launch(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     assert d.kernel is not None and job.mapped is not None
     job.launched = d.kernel.launch(peer, plan.runs, job.mapped)
 
 
-def _kernel_ready(d: Consumer, peer: Peer) -> bool:
+def _kernel_ready(d: Rank, peer: Peer) -> bool:
     return d.kernel is None or d.kernel.ready(peer)
 
 
@@ -186,7 +239,7 @@ def _rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f} GB/s" if 0 < seconds < float("inf") else "failed"
 
 
-def measure(d: Consumer, peer: Peer, src: int) -> Directions:
+def measure(d: Rank, peer: Peer, src: int) -> Directions:
     """Time a READ and a WRITE of the same bytes between P rank ``src`` and D's staging
     slot; both land in the slot, never in a KV block."""
     stager = d.stager
@@ -223,7 +276,7 @@ def measure(d: Consumer, peer: Peer, src: int) -> Directions:
 
 
 def _write(
-    d: Consumer,
+    d: Rank,
     peer: Peer,
     src: int,
     runs: tuple[np.ndarray, np.ndarray, np.ndarray],
@@ -243,7 +296,7 @@ def _write(
     return time.perf_counter() - t0
 
 
-def direction(d: Consumer, peer: Peer, src: int) -> tuple[Mode, str]:
+def direction(d: Rank, peer: Peer, src: int) -> tuple[Mode, str]:
     """Pull or push, and why: the configured mode, or (AUTO) what D measured with
     this P epoch (once, :func:`measure`)."""
     if d.mode is not Mode.AUTO:
@@ -255,19 +308,19 @@ def direction(d: Consumer, peer: Peer, src: int) -> tuple[Mode, str]:
         return d.directions[key].choice()
 
 
-def _serves_in(mode: Mode) -> Callable[[Consumer, Peer, Plan, _Load], str]:
-    def serves(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> str:
+def _serves_in(mode: Mode) -> Callable[[Rank, Peer, Plan, _Load], str]:
+    def serves(d: Rank, peer: Peer, plan: Plan, job: _Load) -> str:
         chosen, how = direction(d, peer, min(plan.runs.keys(), default=0))
         return f"{how}; no kernel mover: {job.no_kernel}" if chosen is mode else ""
 
     return serves
 
 
-def _pull_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
+def _pull_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     pull(d.transport, d.stager, d.staging, peer, plan, job, d.timeout_s, d.post_runs)
 
 
-def _push_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
+def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     """Direct runs first, then the staged ones in rounds through a slot that, should
     the load fail, returns to the pool only after the fence (``job.slot``)."""
     deadline = time.monotonic() + d.timeout_s
@@ -295,7 +348,7 @@ def _push_run(d: Consumer, peer: Peer, plan: Plan, job: _Load) -> None:
     job.slot = None
 
 
-def _kernel_early(d: Consumer) -> bool:
+def _kernel_early(d: Rank) -> bool:
     return d.kernel is not None and d.kernel.overlap
 
 

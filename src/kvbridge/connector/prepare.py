@@ -9,24 +9,36 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from kvbridge.connector.load import Mode
-from kvbridge.connector.movers import PROBE_TIMEOUT_S, measure
-from kvbridge.connector.peers import Peer, Target
+from kvbridge.connector.movers import PROBE_TIMEOUT_S, Rank, measure
+from kvbridge.connector.peers import Peer, PeerCache, Target
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
 from kvbridge.errors import KVBridgeError, PeerError
 from kvbridge.plan.tables import checked_tables
+from kvbridge.spec.model import ModelSpec
 
-if TYPE_CHECKING:
-    from kvbridge.connector.consumer import Consumer
+
+class Preparing(Rank, Protocol):
+    """What :func:`prepare` uses of a D rank (a
+    :class:`~kvbridge.connector.consumer.Consumer` is one)."""
+
+    @property
+    def peers(self) -> PeerCache: ...
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    def closing(self) -> bool: ...
+
 
 log = logging.getLogger(__name__)
 
 
-def prepare(d: Consumer, target: Target) -> str:
+def prepare(d: Preparing, target: Target) -> str:
     """Make ``target`` ready for loads that start on the engine's thread → the P epoch
     prepared (a later handle of another epoch handshakes again). A peer cached for an
     epoch P no longer answers with (P restarted) is replaced. Typed errors as a load's
@@ -52,7 +64,7 @@ def prepare(d: Consumer, target: Target) -> str:
         d.peers.done(peer)
 
 
-def _connect(d: Consumer, peer: Peer) -> None:
+def _connect(d: Preparing, peer: Peer) -> None:
     """Each source rank's NIXL connections made ahead, into a staging slot (never a KV
     block): pull, one small READ; push and AUTO, the direction probe (a READ, and P's
     WRITE where it serves a push channel, else a READ alone; in :attr:`Mode.AUTO` its
@@ -71,7 +83,7 @@ def _connect(d: Consumer, peer: Peer) -> None:
             return
 
 
-def _probe(d: Consumer, peer: Peer, src: int) -> str:
+def _probe(d: Preparing, peer: Peer, src: int) -> str:
     """The direction probe with P rank ``src`` (measured outside ``d.measuring``: loads
     read the directions meanwhile) → why it failed ("": it did not)."""
     found = measure(d, peer, src)
@@ -85,7 +97,7 @@ def _probe(d: Consumer, peer: Peer, src: int) -> str:
     return ""
 
 
-def _read(d: Consumer, peer: Peer, src: int) -> str:
+def _read(d: Preparing, peer: Peer, src: int) -> str:
     """One READ of up to 4 KiB of P rank ``src``'s first region into a staging slot →
     why it failed ("": it did not)."""
     info, pool = peer.ranks.get(src), d.stager.pool if d.stager else None
@@ -111,7 +123,7 @@ def _read(d: Consumer, peer: Peer, src: int) -> str:
         pool.give_back(slot, done or not posted)
 
 
-def _hello(d: Consumer, peer: Peer, target: Target) -> str | None:
+def _hello(d: Preparing, peer: Peer, target: Target) -> str | None:
     """A handshake over ``peer``'s fast channel (it connects it) → the epoch P answers
     with; None where the channel is in use (connected, then) and nothing was asked."""
     assert peer.fast is not None
