@@ -286,21 +286,26 @@ class CaseRun:
 
     # --- the phases ---------------------------------------------------------------------
 
-    def go_load(self, req: Request, seed: int, inline: bool = True) -> tuple[float, list[m.Timing]]:
+    def go_load(
+        self, req: Request, seed: int, inline: bool = True, nixl_only: bool = False
+    ) -> tuple[float, list[m.Timing]]:
         rid = f"{self.tag}-r{req.index}-{seed}"
         assert self.producer is not None
         handle = self.producer.prefill_done(rid, req.lists("P"), req.tokens)
         wire = handle.to_bytes()
-        ts = self.every("D", m.Load(wire, req, self.opts.call_timeout_s, inline))
+        ts = self.every("D", m.Load(wire, req, self.opts.call_timeout_s, inline, nixl_only))
         self.producer.freed()  # drained: P may reuse them (the check does not)
         return max(t.end - t.start for t in ts), ts
 
     def connector(self) -> None:
         if self.opts.prepare:  # the pair connected before its first request
             self.guarded("prepare", self.prepare)
-        # in turn with the same loads handed to a worker whole (the queue hand-off)
+        # in turn with the same loads handed to a worker whole (the queue hand-off), and
+        # as across nodes: nothing of P mapped, the connector choosing among NIXL movers
         queued = partial(self.go_load, inline=False)
-        self.measure("kvbridge", self.case.mode, self.go_load, also=[("queued", queued)])
+        nixl = partial(self.go_load, nixl_only=True)
+        also = [("queued", queued), ("nixl", nixl)]
+        self.measure("kvbridge", self.case.mode, self.go_load, also=also)
         facts.check_mover(self)
         if self.want_ordering:
             self.guarded("ordering", lambda: ordering.run(self))

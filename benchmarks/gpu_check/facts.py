@@ -46,7 +46,7 @@ def triton_facts(st: RankState, _: m.TritonFacts) -> dict[str, Any]:
 
     state = getattr(triton_copy, "STATE", None)
     failed = bool(getattr(state, "failed", False))
-    built = getattr(state, "generic", None) is not None
+    built = getattr(state, "forms", None) is not None
     imports, error, version = _imports()
     return {
         "role": st.role,

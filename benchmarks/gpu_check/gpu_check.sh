@@ -5,12 +5,13 @@
 # zipfile: no xz binary needed) into a temporary directory that, with src/, goes on
 # PYTHONPATH (nothing is installed). First, where pytest and hypothesis import, the unit
 # tests of the device copies run on CUDA twice, Triton on (with the Triton kernel's own
-# tests) and off (UNIT_TIMEOUT_S each, default 60; UNIT_TESTS=0 skips them), their result
-# lines in $OUT/unit_*.txt. The JSON
+# tests: ~40 small compiles on a cold cache) and off (UNIT_TIMEOUT_S each, default 90;
+# UNIT_TESTS=0 skips them), their result lines in $OUT/unit_*.txt; then the kernel's two
+# forms side by side (benchmarks.bench_triton_forms, $OUT/triton_forms.txt). The JSON
 # lands in $OUT if set (the device tool brings $OUT back), else in build/, the table beside.
 #   PY (default python3), GPU_WHEELS, BUDGET_S (default 260), extra arguments: passed on.
-# Worst case with the defaults: unpack ~10 s + unit tests 2 x 70 s + 260 s + 45 s grace
-# ~ 455 s (the device tool allows 600 s a call).
+# Worst case with the defaults: unpack ~10 s + unit tests 2 x 100 s + the kernel forms'
+# benchmark ~10 s + 260 s + 45 s grace ~ 525 s (the device tool allows 600 s a call).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PY:-python3}
@@ -47,7 +48,7 @@ out=${OUT:-build}
 mkdir -p "$out"
 
 unit_tests() {  # the device copies' unit tests on CUDA, Triton on and off; never fails
-  local limit=${UNIT_TIMEOUT_S:-60} run=() t rc tests
+  local limit=${UNIT_TIMEOUT_S:-90} run=() t rc tests
   if ! "$py" -c 'import pytest' 2>/dev/null; then
     echo "gpu-check: pytest not available: unit tests on CUDA skipped"
     return 0
@@ -72,7 +73,9 @@ unit_tests() {  # the device copies' unit tests on CUDA, Triton on and off; neve
 }
 if [ "${UNIT_TESTS:-1}" != 0 ]; then unit_tests; fi
 # the copy kernel's two forms, GPU time side by side (a few seconds; never fails the check)
-"$py" -m benchmarks.bench_triton_forms 2>&1 | tee "$out/triton_forms.txt" || true
+forms=()
+if command -v timeout >/dev/null; then forms=(timeout -k 5 60); fi
+${forms[@]+"${forms[@]}"} "$py" -m benchmarks.bench_triton_forms 2>&1 | tee "$out/triton_forms.txt" || true
 
 "$py" -m benchmarks.gpu_check --budget-s "${BUDGET_S:-260}" --json "$out/gpu_check.json" "$@" \
   | tee "$out/gpu_check.txt"

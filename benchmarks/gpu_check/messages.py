@@ -131,6 +131,10 @@ class Load:
     timeout_s: float
     inline: bool = True
     """Let the consumer start the load on this thread (False: a worker does it all)."""
+    nixl_only: bool = False
+    """As between nodes: D maps none of P's memory (no kernel mover) and the connector
+    chooses among its NIXL movers itself (AUTO: READ or WRITE as measured, direct or
+    staged by its cost model)."""
 
 
 @dataclass(frozen=True, slots=True)

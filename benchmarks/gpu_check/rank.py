@@ -175,13 +175,24 @@ def connect(st: RankState, cmd: m.Connect) -> None:
 def load(st: RankState, cmd: m.Load) -> m.Timing:
     """kvbridge's choice: the consumer loads the handle; its outcome, timed by itself
     (queue, then the load: not this rank's polling)."""
-    assert st.consumer is not None
+    d = st.consumer
+    assert d is not None
+    kernel, mode = d.kernel, d.mode
+    if cmd.nixl_only:  # as across nodes: nothing of P mapped, the connector's own choice
+        d.kernel, d.mode = None, Mode.AUTO
+    try:
+        return _load(d, cmd)
+    finally:
+        d.kernel, d.mode = kernel, mode
+
+
+def _load(d: Consumer, cmd: m.Load) -> m.Timing:
     handle = TransferHandle.from_bytes(cmd.handle)
-    st.consumer.inline = cmd.inline
-    st.consumer.load(handle, cmd.request.lists("D"), 0)
+    d.inline = cmd.inline
+    d.load(handle, cmd.request.lists("D"), 0)
     end = time.monotonic() + cmd.timeout_s
     while time.monotonic() < end:
-        for out in st.consumer.poll():
+        for out in d.poll():
             if out.request_id != handle.request_id:
                 continue
             if not out.ok:

@@ -19,17 +19,21 @@ from typing import Any
 
 from benchmarks.gpu_check.driver import CaseResult, Sample
 
-ORDER = ("kvbridge", "queued", "kernel", "copy", "direct", "staged", "contig", "vllm")
+ORDER = ("kvbridge", "queued", "nixl", "kernel", "copy", "direct", "staged", "contig", "vllm")
 NAMES = {
     "contig": "contig WRITE",
     "vllm": "vllm-like",
     "copy": "contig copy",
     "queued": "kvb. queued",
+    "nixl": "kvb. NIXL only",
 }
-CONNECTOR = ("kvbridge", "queued")
+CONNECTOR = ("kvbridge", "queued", "nixl")
+"""The connector's rows: its loads started on the caller's thread, handed whole to a
+worker (``Consumer.inline`` off), and as across nodes (none of P's memory mapped: its own
+choice among the NIXL movers, in AUTO mode)."""
 AFTER = ("queued",)
-"""The connector's rows: its loads started on the caller's thread, and handed whole to a
-worker (``Consumer.inline`` off)."""
+"""Rows whose first transfer of a request follows kvbridge's: never cold."""
+WHO = {"kvbridge": "kvbridge", "queued": "kvbridge queued", "nixl": "kvbridge NIXL only"}
 MIB = 1 << 20
 
 
@@ -187,7 +191,7 @@ def _fmt(x: float | None, spec: str) -> str:
 def _line(label: str, r: dict[str, Any]) -> str:
     name = NAMES.get(r["method"], r["method"])
     if r["ms"] is None:
-        return f"{label:<44} {name:<13} n/a ({r['na']})"
+        return f"{label:<44} {name:<14} n/a ({r['na']})"
     bad = r["mismatches"]
     check = f"{r['verified_bytes'] / MIB:9.1f} MiB " + ("ok" if not bad else f"BAD {bad}")
     note = r["variant"]
@@ -196,14 +200,14 @@ def _line(label: str, r: dict[str, Any]) -> str:
     ratios = f"{_fmt(r.get('x_contig'), '8.2f')} {_fmt(r.get('vllm_over'), '8.1f')}"
     times = f"{_fmt(r['ms'], '9.3f')} {_fmt(r.get('cold_ms'), '9.2f')}"
     return (
-        f"{label:<44} {name:<13} {times} {_fmt(r['gbps'], '7.1f')} "
+        f"{label:<44} {name:<14} {times} {_fmt(r['gbps'], '7.1f')} "
         f"{r['descriptors']:>8} {ratios} {check:<20} {note}"
     )
 
 
 def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
     head = (
-        f"{'case':<44} {'method':<13} {'ms':>9} {'cold ms':>9} {'GB/s':>7} {'desc':>8} "
+        f"{'case':<44} {'method':<14} {'ms':>9} {'cold ms':>9} {'GB/s':>7} {'desc':>8} "
         f"{'×contig':>8} {'vLLM/x':>8} {'verified':<20} note"
     )
     lines = [f"kvbridge gpu-check on {meta['device']} ({meta['mode']}; {meta['nixl']})", head]
@@ -239,7 +243,7 @@ def _connector_lines(table_rows: list[dict[str, Any]], prepare_s: float | None) 
     for r in table_rows:
         if r["method"] not in CONNECTOR or r["ms"] is None:
             continue
-        who = "kvbridge" if r["method"] == "kvbridge" else "kvbridge queued"
+        who = WHO[r["method"]]
         stages = " · ".join(f"{name} {ms:.3f}" for name, ms in r["stages_ms"].items())
         out.append(f"{pad}{who} stages, median ms: {stages or '—'}")
         if r["method"] == "kvbridge":

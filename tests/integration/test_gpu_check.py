@@ -2,7 +2,8 @@
 P and D ranks as processes, torch CPU tensors through the device code paths, NIXL on host
 memory, P's pools in /dev/shm. Every method that ran compared every byte it moved with
 the pattern and found none wrong; kvbridge's consumer chose the kernel mover (P's memory
-mapped through /dev/shm); the vLLM-like path ran where vLLM would read the pairing and
+mapped through /dev/shm), and, as across nodes with nothing of P mapped, chose a NIXL
+mover by its own measurement; the vLLM-like path ran where vLLM would read the pairing and
 says why not where it would not; the ordering case ran once (a late KV write: stale bytes
 without ``written``, exact with it); every D rank reported its Triton facts; the table was
 printed. Without processes: the GPU verdicts (a Triton fall back, a kvbridge load that
@@ -27,7 +28,7 @@ from benchmarks.gpu_check.driver import CaseResult, Sample
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(290)]
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = {"kvbridge", "queued", "kernel", "copy", "direct", "staged", "contig", "vllm"}
+METHODS = {"kvbridge", "queued", "nixl", "kernel", "copy", "direct", "staged", "contig", "vllm"}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,22 @@ def test_the_table_was_printed(check: tuple[dict, str]) -> None:
         assert "handoff" not in q["stages_ms"] and q["stages_ms"]["queue"] > 0, q
     assert text.count("kvbridge queued stages, median ms: queue") == len(report["cases"])
     assert "target kvbridge load ≥ 80× faster than vLLM-like (8k)" in text
+
+
+def test_the_nixl_only_row_is_the_connectors_own_choice_over_nixl(check) -> None:
+    """As across nodes: D maps nothing of P, AUTO measures READ and WRITE per pair and
+    the load goes over NIXL, byte-exact, its choice and why in the row."""
+    report, text = check
+    for case in report["cases"]:
+        n = next(r for r in case["rows"] if r["method"] == "nixl")
+        assert n["ms"] > 0 and n["mismatches"] == 0 and n["timed"] >= 1, n
+        assert n["detail"]["mover"] in ("pull", "push"), n
+        reason = n["detail"]["reason"]
+        assert reason.startswith("auto: ") and "no kernel mover: D maps nothing" in reason, n
+        assert "measured READ" in reason and "WRITE" in reason, n
+        assert (n["descriptors"] > 0 and "post" in n["stages_ms"]) or "transfer" in n["stages_ms"]
+    assert text.count("kvb. NIXL only") == len(report["cases"])
+    assert text.count("kvbridge NIXL only stages, median ms: queue") == len(report["cases"])
 
 
 def test_the_ordering_case_ran_once_and_written_kept_the_bytes(check: tuple[dict, str]) -> None:

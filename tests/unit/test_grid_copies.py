@@ -155,3 +155,41 @@ def test_the_kernel_mover_copies_a_dense_load_as_grids(shm: ShmPool, monkeypatch
         assert len(seen) == 2  # full blocks, and the last one's 13 tokens
     finally:
         w.close()
+
+
+def test_a_plan_keeps_its_ids_when_the_caller_reuses_its_arrays() -> None:
+    """Grids hold block ids, not addresses: a caller's int64 table changed after
+    ``plan()`` must not change the plan's runs."""
+    spec = llama(4)
+    p_b = bound_all(spec, Parallel(1), "nhd", 200, 1 << 40)
+    d_b = bound_all(spec, Parallel(1), "nhd", 200, 1 << 41)
+    geom = Geometry(Side(spec, Parallel(1), p_b), Side(spec, Parallel(1), d_b), 0)
+    rng = np.random.default_rng(8)
+    p_ids = rng.permutation(200)[:40].astype(np.int64)
+    d_ids = rng.permutation(200)[:40].astype(np.int64)
+    plan = geom.plan(640, [p_ids], [d_ids])
+    ((r,),) = [list(plan.runs.values())]
+    assert r.grids is not None
+    want = (r.src.copy(), r.dst.copy())
+    fresh = geom.plan(640, [p_ids.copy()], [d_ids.copy()]).runs[0]
+    p_ids[:] = 0
+    d_ids[:] = 199
+    assert np.array_equal(fresh.src, want[0]) and np.array_equal(fresh.dst, want[1])
+    assert not any(np.shares_memory(g.pid, p_ids) or np.shares_memory(g.did, d_ids)
+                   for g in plan.runs[0].grids or ())  # fmt: skip
+
+
+def test_a_grid_whose_runs_would_wrap_int64_is_refused() -> None:
+    span, _ = _span(1 << 16, 9)
+    with pytest.raises(TransportError, match="outside its memory"):
+        span.check_grid(np.zeros(1, np.int64), np.array([1 << 62]), 4, np.full(1, 64), "x")
+
+
+def test_grids_of_nothing_or_of_floats_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least one grid"):
+        Runs.of()
+    src_span, _ = _span(4096, 1)
+    dst_span, _ = _span(4096, 2)
+    bad = GridCopy(np.zeros(2), np.zeros(1, np.int64), 64, np.zeros(2), np.zeros(1), 64, 8)
+    with pytest.raises(TransportError, match="1-D integer arrays"):
+        run_copy(dst_span, src_span, bad, 8, None)

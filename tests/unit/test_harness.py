@@ -95,15 +95,15 @@ def test_a_busy_rank_answers_while_polling_and_after(monkeypatch) -> None:
         return real_poll(self, timeout)
 
     monkeypatch.setattr(type(there), "poll", poll)
-    t = threading.Thread(target=serve, args=(there, lambda x: x * 2, 0, 0.3), daemon=True)
+    t = threading.Thread(target=serve, args=(there, lambda x: x * 2, 0, 2.0), daemon=True)
     t.start()
     here.send(1)
     assert here.recv() == 2
-    time.sleep(0.1)  # inside the busy window: no blocking poll
+    time.sleep(0.1)  # well inside the busy window: no blocking poll
     here.send(2)
     assert here.recv() == 4
     assert not blocking
-    time.sleep(0.5)  # past it: the rank blocks between polls
+    time.sleep(2.2)  # past it: the rank blocks between polls
     here.send(3)
     assert here.recv() == 6
     assert blocking and set(blocking) == {0.05}

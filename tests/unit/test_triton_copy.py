@@ -32,6 +32,7 @@ def kernels(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.delitem(sys.modules, "kvbridge.connector.triton_kernels", raising=False)
     monkeypatch.delenv("KVBRIDGE_TRITON_SPECIALISE", raising=False)
+    monkeypatch.setattr(triton_copy, "SPECIALISE_MIN_WORDS", 0)  # the tests' copies are small
     st = triton_copy.Kernels()
     monkeypatch.setattr(triton_copy, "STATE", st)
     yield st
@@ -268,3 +269,67 @@ def test_grid_copy_takes_the_grid_kernel_on_cuda(kernels) -> None:
             want[d : d + 512] = host[s : s + 512]
     assert np.array_equal(dst.cpu().numpy(), want)
     assert kernels.launches["generic"] == 1
+
+
+def test_small_or_unaligned_copies_count_for_no_fixed_form(kernels, monkeypatch) -> None:
+    """A copy under SPECIALISE_MIN_WORDS words (a partial last block), or one whose
+    pointers the fixed form could not take, never queues a compile."""
+    monkeypatch.setattr(triton_copy, "SPECIALISE_MIN_WORDS", 23 * 48 + 1)
+    for _ in range(3):
+        Case(48, torch.int64).run()  # 23 runs × 48 words: one word short
+    c = Case(48, torch.int64)
+    monkeypatch.setattr(triton_copy, "SPECIALISE_MIN_WORDS", 0)
+    wide = torch.zeros(c.dst.numel() + 1, dtype=torch.int64, device=DEVICE)
+    for _ in range(3):
+        c.run(wide[1:])  # 8 B past an aligned start
+    c.check(wide[1:])
+    assert triton_copy.wait_compiled(5)
+    assert not kernels.queued and not kernels.seen and kernels.launches == {"generic": 6}
+
+
+def test_a_thread_that_will_not_start_leaves_the_copy_done(kernels, monkeypatch) -> None:
+    """Queuing the compile fails after the generic copy ran: the copy stands (no second
+    copy by torch), the fixed form goes off, the generic kernel stays on."""
+
+    def refuse(self, *_: object) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(triton_copy.threading.Thread, "start", refuse)
+    results = [Case(32, torch.int64, seed=i).run() for i in range(4)]
+    assert results == [True] * 4
+    assert kernels.fixed_failed and not kernels.failed
+    assert kernels.launches == {"generic": 4}
+
+
+def test_gpu_check_sees_the_kernel_built(kernels) -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_check import facts
+
+    rank = SimpleNamespace(role="D", rank=0, setup=SimpleNamespace(gpu=DEVICE == "cuda"))
+    assert not facts.triton_facts(rank, None)["built"]  # type: ignore[arg-type]
+    Case(8, torch.int64).run()
+    f = facts.triton_facts(rank, None)  # type: ignore[arg-type]
+    assert f["built"] and (f["ran"] or not f["enabled"]), f
+    assert f["kernels"]["launches"] == {"generic": 1}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiles only where Triton compiles (CUDA)")
+def test_the_first_fixed_copy_compiles_nothing_on_the_copy_path(kernels) -> None:
+    """The background warm-up compiled exactly what the copy then launches: the fixed
+    form's kernel cache does not grow at its first launch (a key mismatch would compile
+    again there, on the copy's path)."""
+    c = Case(640, torch.int64)
+    for _ in range(triton_copy.SPECIALISE_AFTER):
+        c.run()
+    assert triton_copy.wait_compiled(120) and kernels.ready and kernels.forms is not None
+    caches = getattr(kernels.forms["runs"][1], "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its kernel cache elsewhere")
+    dev = torch.cuda.current_device()
+    before = len(caches[dev][0])
+    assert before >= 1
+    c.run()
+    torch.cuda.synchronize()
+    c.check()
+    assert kernels.launches["fixed"] == 1 and len(caches[dev][0]) == before

@@ -130,7 +130,10 @@ def grid_copy(
     _check_tensors(dst, src, g.size)
     if divisor <= 0:
         raise TransportError(f"a divisor of {divisor} B")
-    if g.d_t.shape != g.s_t.shape or g.d_ids.shape != g.s_ids.shape or g.d_t.ndim != 1:
+    arrays = (g.d_t, g.d_ids, g.s_t, g.s_ids)
+    if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
+        raise TransportError("a grid's offsets and ids must be 1-D integer arrays")
+    if g.d_t.shape != g.s_t.shape or g.d_ids.shape != g.s_ids.shape:
         raise TransportError(f"a grid of {g.d_t.shape}/{g.s_t.shape} runs per tile and "
                              f"{g.d_ids.shape}/{g.s_ids.shape} tiles")  # fmt: skip
     if not g.d_t.shape[0] or not g.d_ids.shape[0]:

@@ -77,10 +77,14 @@ class Span:
         a, b = int(ids.min()) * stride, int(ids.max()) * stride
         lo = int(off.min()) + min(a, b)
         hi = int((off + length).max()) + max(a, b)
-        if lo < 0 or int(length.min()) <= 0 or hi > self.tensor.shape[0]:
+        top = self.tensor.shape[0]
+        if lo < 0 or int(length.min()) <= 0 or hi > top:
             runs = (off[:, None] + ids * stride).ravel()
             every = np.repeat(length, ids.shape[0])
             self.check(runs, every, what, (0, hi - int(runs.min())))  # the slow way: names it
+            raise TransportError(  # int64 wrapped in the slow way: the bounds say it
+                f"{what} runs span [{lo}, {hi}) of a grid, outside its memory ({top} bytes)"
+            )
 
     def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
         """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not

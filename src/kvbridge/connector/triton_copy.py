@@ -10,8 +10,9 @@ one compile per word type and pointer alignment, whatever the lengths. The fixed
 copy kernel"), one compile per length, so it is kept for lengths a process copies again
 and again, and off the copy path:
 
-- a (kind, length, word type, device) seen in :data:`SPECIALISE_AFTER` calls is compiled
-  in the fixed form on a thread of its own (one compile at a time), at most
+- a (kind, length, word type, device) seen in :data:`SPECIALISE_AFTER` copies of at least
+  :data:`SPECIALISE_MIN_WORDS` words each, with 16-B aligned pointers, is compiled in the
+  fixed form on a thread of its own (one compile at a time), at most
   :data:`SPECIAL_KEYS` of them per process: the compile cache stays bounded;
 - a copy takes the fixed form once that compile ended and every pointer is 16-byte
   aligned (what the compile assumed), the generic form otherwise;
@@ -41,6 +42,12 @@ log = logging.getLogger(__name__)
 
 SPECIALISE_AFTER = 2
 """Calls with one length before its fixed form is compiled (a one-off costs nothing)."""
+SPECIALISE_MIN_WORDS = 1 << 16
+"""Words one copy moves (runs × length) for its length to count towards a fixed form:
+512 KiB of int64 words. A smaller copy is bound by its launch, not its loads and stores
+(a request's partial last block is one such), and would only take a slot."""
+SEEN_KEYS = 1024
+"""Lengths counted at once (beyond: the counts start afresh)."""
 SPECIAL_KEYS = 8
 """Most fixed forms one process compiles: (kind, length, word type, device) each."""
 TILE_WORDS = 1024
@@ -138,7 +145,11 @@ def _launch(
                 return
         generic[grid_](*args, row, RUNS=runs, BLOCK=block)
         st.launches["generic"] += 1
-    _saw(st, key, runs, block)
+    if n * row >= SPECIALISE_MIN_WORDS and _aligned16(*ptrs):  # worth a compile, usable
+        try:
+            _saw(st, key, runs, block)
+        except Exception as exc:  # e.g. no thread at interpreter exit: the copy stands
+            _fixed_off(st, exc)
 
 
 def tiles(row: int, n: int) -> tuple[tuple[int], int, int]:
@@ -163,6 +174,8 @@ def _saw(st: Kernels, key: Key, runs: int, block: int) -> None:
     with st.lock:
         if key in st.queued or len(st.queued) >= SPECIAL_KEYS:
             return
+        if len(st.seen) >= SEEN_KEYS:  # many one-off lengths: start counting afresh
+            st.seen.clear()
         st.seen[key] += 1
         if st.seen[key] < SPECIALISE_AFTER:
             return

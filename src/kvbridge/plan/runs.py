@@ -42,6 +42,8 @@ class Runs:
 
     @classmethod
     def of(cls, *grids: Grid) -> Runs:
+        if not grids:
+            raise ValueError("Runs.of needs at least one grid")
         out = cls.__new__(cls)
         out._src = out._dst = out._length = None
         out.grids = grids

@@ -167,6 +167,8 @@ def table(
             f"entries; {n} tokens need {need}"
         )
     used = tab[:need]
+    if tab is ids and tab.flags.writeable:  # the caller's own array: a plan's grids keep
+        used = used.copy()  # ids (not addresses), so a later change there must not reach it
     if limit:
         if need <= SMALL:  # sorting a copy is cheaper than numpy's reductions
             srt = used.copy()
