@@ -3,6 +3,7 @@
 Usage::
 
     .venv/bin/python -m benchmarks.bench_nixl_raw [--mib 256] [--repeat 5] [--threads 2]
+        [--ucx-threads 0,2]
 
 An owner process (P) registers a ``--mib`` MiB buffer and keeps its agent progressing;
 this process (D) READs all of it in shuffled runs of 4 KiB, 64 KiB and 1 MiB and in
@@ -131,6 +132,11 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256, help="bytes moved per pass, MiB")
     parser.add_argument("--repeat", type=int, default=5, help="passes per figure")
     parser.add_argument("--threads", type=int, default=1, help="also post from N threads")
+    parser.add_argument(
+        "--ucx-threads",
+        default="0",
+        help="D's agent with each of these UCX worker thread counts in turn (e.g. 0,2,4)",
+    )
     args = parser.parse_args()
     total = args.mib * MIB
     ctx = mp.get_context("spawn")
@@ -141,10 +147,22 @@ def main() -> None:
         raise SystemExit("owner did not start within 60 s")
     metadata, remote = conn.recv()
     local = np.ones(total, np.uint8)  # touched: no page faults inside the timing
-    with NixlTransport("bench-D") as d:
+    for ucx in (int(x) for x in args.ucx_threads.split(",")):
+        _reader(metadata, remote, local, ucx, args)
+    conn.send("stop")
+    owner.join(30)
+    print(f"owner exit code {owner.exitcode}")
+
+
+def _reader(
+    metadata: bytes, remote: int, local: np.ndarray, ucx: int, args: argparse.Namespace
+) -> None:
+    """D's figures with an agent of ``ucx`` UCX worker threads."""
+    total = local.nbytes
+    with NixlTransport(f"bench-D-t{ucx}", threads=ucx) as d:
         d.register([Region(local.ctypes.data, local.nbytes)])
         d.add_peer(metadata)
-        print(f"READ, 2 processes, {args.mib} MiB, median of {args.repeat}")
+        print(f"READ, 2 processes, {args.mib} MiB, median of {args.repeat}, D: {ucx} UCX threads")
         for run in (4 * KIB, 64 * KIB, 256 * KIB, MIB, total):
             runs = _runs(local.ctypes.data, remote, total, run)
             label = "contiguous" if run == total else f"{run // KIB} KiB shuffled"
@@ -159,9 +177,6 @@ def main() -> None:
         tiny = _runs(local.ctypes.data, remote, 10_000 * 64, 64)
         per_desc = 64 / (_throughput(d, tiny, args.repeat) * 1e9) * 1e6
         print(f"  read() + wait(), 10k shuffled 64 B runs: {per_desc:.3f} µs/desc end to end")
-    conn.send("stop")
-    owner.join(30)
-    print(f"owner exit code {owner.exitcode}")
 
 
 if __name__ == "__main__":

@@ -195,6 +195,8 @@ def _line(label: str, r: dict[str, Any]) -> str:
     bad = r["mismatches"]
     check = f"{r['verified_bytes'] / MIB:9.1f} MiB " + ("ok" if not bad else f"BAD {bad}")
     note = r["variant"]
+    if r["method"] == "direct" and r["descriptors"]:  # kvbridge's agents, per descriptor
+        note += f", {r['ms'] * 1e3 / r['descriptors']:.2f} µs/desc"
     if r["method"] in CONNECTOR:
         note = f"{r['detail'].get('mover')}: {r['detail'].get('reason')}"
     ratios = f"{_fmt(r.get('x_contig'), '8.2f')} {_fmt(r.get('vllm_over'), '8.1f')}"
@@ -210,7 +212,9 @@ def table(results: list[CaseResult], meta: dict[str, Any]) -> str:
         f"{'case':<44} {'method':<14} {'ms':>9} {'cold ms':>9} {'GB/s':>7} {'desc':>8} "
         f"{'×contig':>8} {'vLLM/x':>8} {'verified':<20} note"
     )
-    lines = [f"kvbridge gpu-check on {meta['device']} ({meta['mode']}; {meta['nixl']})", head]
+    agents = f"kvbridge's agents: {meta.get('kvbridge_ucx_threads', 0)} UCX threads"
+    lines = [f"kvbridge gpu-check on {meta['device']} ({meta['mode']}; {meta['nixl']}; {agents})"]
+    lines.append(head)
     lines.append("-" * len(head))
     for res in results:
         label = res.case.label()

@@ -161,6 +161,7 @@ def meta(args: argparse.Namespace, budget: float) -> dict[str, Any]:
 
     import torch
 
+    from kvbridge import envs
     from kvbridge.transport.nixl import NIXL_BUILD
 
     gpu = not args.cpu
@@ -178,6 +179,7 @@ def meta(args: argparse.Namespace, budget: float) -> dict[str, Any]:
         "budget_s": budget,
         "sgl": os.environ.get("NIXL_UCX_SGL_ENABLE", ""),
         "threads": args.threads,
+        "kvbridge_ucx_threads": envs.ucx_threads(),
         "imported_from": where,
     }
 

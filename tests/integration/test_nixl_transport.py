@@ -346,6 +346,32 @@ def test_closed_transport_refuses_work() -> None:
         NixlTransport("D-spin", progress_delay_us=0)
 
 
+def test_an_agent_with_ucx_worker_threads_reads_exactly(owner: Owner, monkeypatch) -> None:
+    """``KVBRIDGE_UCX_THREADS`` (UCX's ``num_threads``): the descriptors of one READ
+    spread over worker threads land byte for byte; a count out of range is refused."""
+    monkeypatch.setenv("KVBRIDGE_UCX_THREADS", "2")
+    buf = np.zeros(8 * MIB, np.uint8)
+    with NixlTransport("D-threads") as t:
+        assert t.threads == 2
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        assert t.add_peer(owner.metadata) == owner.name
+        rng = np.random.default_rng(11)
+        n = 2048  # 4 KiB runs, shuffled on both sides
+        src = rng.permutation(READ_AREA // (4 * KIB))[:n].astype(np.uint64) * np.uint64(4 * KIB)
+        dst = rng.permutation(8 * MIB // (4 * KIB))[:n].astype(np.uint64) * np.uint64(4 * KIB)
+        size = np.full(n, 4 * KIB, np.uint64)
+        local = dst + np.uint64(buf.ctypes.data)
+        t.wait(t.read(owner.name, local, src + np.uint64(owner.base), size), WAIT_S)
+        source = pattern(P_BYTES, owner.seed)
+        want = np.zeros_like(buf)
+        for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+            want[d_ : d_ + 4 * KIB] = source[s_ : s_ + 4 * KIB]
+        assert np.array_equal(buf, want)
+    for bad in (-1, 65):
+        with pytest.raises(TransportError, match="UCX worker threads"):
+            NixlTransport("D-bad-threads", threads=bad)
+
+
 def test_memory_kinds_travel_in_the_metadata_and_device_memory_needs_a_gpu(
     reader: Reader, owner: Owner
 ) -> None:

@@ -103,13 +103,21 @@ class NixlTransport(Transport):
     """One rank's NIXL agent; ``name`` must be unique among agents that talk.
 
     ``progress_delay_us``: progress thread sleep between polls, µs, > 0 (default
-    :func:`kvbridge.envs.progress_delay_us`; 1000 µs: an idle agent uses ~4 % of a core)."""
+    :func:`kvbridge.envs.progress_delay_us`; 1000 µs: an idle agent uses ~4 % of a core).
+    ``threads``: UCX worker threads (default :func:`kvbridge.envs.ucx_threads`, 4; 0:
+    NIXL's default, none)."""
 
-    def __init__(self, name: str, *, progress_delay_us: int | None = None) -> None:
+    def __init__(
+        self, name: str, *, progress_delay_us: int | None = None, threads: int | None = None
+    ) -> None:
         envs.prepare_process_env()
         delay = envs.progress_delay_us() if progress_delay_us is None else progress_delay_us
         if delay <= 0:
             raise TransportError(f"progress thread delay must be > 0 µs, got {delay}")
+        threads = envs.ucx_threads() if threads is None else threads
+        if not 0 <= threads <= 64:
+            raise TransportError(f"UCX worker threads must be 0..64, got {threads}")
+        self.threads = threads
         self.name = name
         self._lock = threading.Lock()
         self._peers: dict[str, bytes] = {}  # name -> sealed metadata
@@ -128,7 +136,7 @@ class NixlTransport(Transport):
         try:
             self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             self._agent.agent = _nb.nixlAgent(name, cfg)
-            self._agent.create_backend("UCX", {})
+            self._agent.create_backend("UCX", {"num_threads": str(threads)} if threads else {})
         except _CAUGHT as exc:
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc!r}") from exc
         try:
