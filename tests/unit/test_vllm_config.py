@@ -73,3 +73,31 @@ def test_prepare_lists_p_instances_as_engine_id_at_endpoint() -> None:
     for bad in (["tcp://h:1"], ["p0@h:1"], ["@tcp://h:1"], 7, ["p@tcp://a:1", "p@tcp://b:1"]):
         with pytest.raises(ConfigError, match="prepare"):
             read_config(kv(prepare=bad))
+
+
+def test_num_threads_is_read_as_vllms_nixl_connector_reads_it(monkeypatch) -> None:
+    """``num_threads`` (the key vLLM's NixlConnector takes) sets the UCX worker threads of
+    the engine's NIXL agents; absent, the environment's default holds; out of range or not
+    a number is refused at start-up."""
+    assert read_config(kv(num_threads=8)).num_threads == 8
+    assert read_config(kv()).num_threads is None
+    for bad in (-1, 65, "many"):
+        with pytest.raises(ConfigError, match="num_threads"):
+            read_config(kv(num_threads=bad))
+    from kvbridge.integrations.vllm import worker
+
+    made: list[dict[str, Any]] = []
+
+    def fake(kind: str, name: str, **opts: Any) -> object:
+        made.append({"kind": kind, **opts})
+        return object()
+
+    monkeypatch.setattr(worker, "make_transport", fake)
+    for cfg, want in [
+        (read_config(kv(num_threads=2)), {"kind": "nixl", "threads": 2}),
+        (read_config(kv()), {"kind": "nixl"}),
+        (read_config(kv(num_threads=2, transport="loopback")), {"kind": "loopback"}),
+    ]:
+        side = SimpleNamespace(cfg=cfg, rank=0, _transports=[])
+        worker.WorkerSide._transport(side, "D")  # type: ignore[arg-type]
+        assert made[-1] == want

@@ -92,11 +92,14 @@ class ConnectorConfig:
     prepare: tuple[tuple[str, str], ...] = ()
     """D: P instances (engine id, side-channel endpoint) connected at start-up
     (:meth:`Consumer.prepare`), so their first request costs what a warm one does."""
+    num_threads: int | None = None
+    """UCX worker threads of this engine's NIXL agents, the key vLLM's NixlConnector reads
+    (None: ``KVBRIDGE_UCX_THREADS``, default 4)."""
 
 
 KNOWN = {
     *("host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file"),
-    *("transport", "prepare"),
+    *("transport", "prepare", "num_threads"),
 }
 """``kv_connector_extra_config`` keys besides the secret."""
 
@@ -145,9 +148,12 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             str(extra.get("keys_file", "")),
             str(extra.get("transport", "nixl")),
             _peers(extra.get("prepare", ())),
+            None if extra.get("num_threads") is None else int(extra["num_threads"]),
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
+    if cfg.num_threads is not None and not 0 <= cfg.num_threads <= 64:
+        raise ConfigError(f"kv_connector_extra_config num_threads={cfg.num_threads}: 0..64")
     if cfg.lease_s <= 0 or cfg.timeout_s <= 0 or not 0 <= cfg.port < 65536:
         raise ConfigError(
             f"kv_connector_extra_config {extra}: lease_s, timeout_s > 0, port in range"

@@ -63,7 +63,9 @@ class WorkerSide:
 
     def _transport(self, role: str) -> Transport:
         name = f"kvb-{role}-{self.cfg.engine_id}-{self.rank}-{secrets.token_hex(3)}"
-        t = make_transport(self.cfg.transport, name)
+        threads = self.cfg.num_threads
+        opts = {"threads": threads} if self.cfg.transport == "nixl" and threads is not None else {}
+        t = make_transport(self.cfg.transport, name, **opts)
         self._transports.append(t)
         return t
 
