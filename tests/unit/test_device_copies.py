@@ -309,3 +309,24 @@ def test_cost_probe(device: str) -> None:
     assert math.isfinite(per_run) and math.isfinite(per_byte)
     assert per_run >= 0 and per_byte >= 0 and per_run + per_byte > 0
     assert per_run < 1e-3 and per_byte < 1e-6  # a µs-scale run, a ≥ 1 MB/s copy
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 1 << 40), min_size=1, max_size=40),
+    st.lists(st.integers(0, 1 << 40), min_size=1, max_size=40),
+    st.sampled_from([1, 2, 8, 24, 96, 256, 4096]),
+    st.sampled_from([1, 2, 4, 8, 24, 96, 256, 4096]),
+)
+def test_copy_divisor_divides_every_offset_and_tells_whole_rows(d, s, size, scale) -> None:
+    """The staging copies' divisor (one OR-reduction per side, no scan of the runs): it
+    divides every offset, and where it is a multiple of ``size`` every offset is one."""
+    from kvbridge.connector.device_memory import copy_divisor
+
+    d_off, s_off = np.array(d, np.int64) * scale, np.array(s, np.int64) * scale
+    k = copy_divisor(d_off, s_off, size)
+    assert k > 0 and not (d_off % k).any() and not (s_off % k).any()
+    if k % size == 0:
+        assert not (d_off % size).any() and not (s_off % size).any()
+    if size & (size - 1) == 0 and not (d_off % size).any() and not (s_off % size).any():
+        assert k % size == 0  # power-of-two rows are always told

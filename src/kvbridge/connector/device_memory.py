@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.copies import by_length
-from kvbridge.connector.device_copies import rows_copy
+from kvbridge.connector.device_copies import checked_copy
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region
 from kvbridge.transport.memory import byte_tensor, torch_device
@@ -150,6 +150,17 @@ def equal_runs(
     return [(d_off[run] + step, s_off[run] + step, piece)]
 
 
+def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int) -> int:
+    """A divisor of every offset for :func:`checked_copy`, from one OR-reduction per side:
+    the offsets' lowest common set bit, or ``size`` where every offset is a multiple of a
+    ``size`` that is no power of two (then :func:`checked_copy` copies whole rows)."""
+    bits = int(np.bitwise_or.reduce(d_off)) | int(np.bitwise_or.reduce(s_off))
+    low = bits & -bits if bits else 1 << 62  # all offsets 0: any divisor
+    if size & (size - 1) and low < size and not (d_off % size).any() and not (s_off % size).any():
+        return size
+    return low
+
+
 class DeviceMemory:
     """Writable torch access to a rank's device ``regions``, addressed by absolute
     address, with :meth:`scatter` and :meth:`gather` as :class:`LocalMemory` has; each
@@ -186,7 +197,11 @@ class DeviceMemory:
     ) -> None:
         try:
             for d, s, size in equal_runs(d_off, s_off, length):
-                rows_copy(dst, d, src, s, size, stream=self.stream)
+                for t, off, name in ((dst, d, "destination"), (src, s, "source")):
+                    if int(off.min()) < 0 or int(off.max()) + size > t.numel():
+                        raise TransportError(f"a {name} run of {size} B leaves its memory")
+                divisor = copy_divisor(d, s, size)
+                checked_copy(dst, d, src, s, size, divisor, stream=self.stream)
         finally:
             if self.stream is not None:
                 self.stream.synchronize()
