@@ -29,12 +29,13 @@ def progress_delay_us() -> int:
 
 
 def ucx_threads() -> int:
-    """``KVBRIDGE_UCX_THREADS`` (default 4, as vLLM's NixlConnector; 0: NIXL's default, none):
-    UCX worker threads of kvbridge's NIXL agents (the UCX backend's ``num_threads``); a
-    transfer's descriptors are spread over them. Measured on host memory, 2-core VM: 4 KiB
-    runs 1.6 → 2.9 GB/s, 64 B runs 1.5 → 0.9 µs each, an idle agent's CPU unchanged
+    """``KVBRIDGE_UCX_THREADS`` (default 0: NIXL's default, none): UCX worker threads of
+    kvbridge's NIXL agents (the UCX backend's ``num_threads``); a transfer's descriptors
+    are spread over them. On host memory (2-core VM) 4 KiB runs moved 1.6 → 2.9 GB/s and
+    64 B runs cost 1.5 → 0.9 µs each, but a peer killed mid-transfer then aborted the
+    process in UCX (``ucs_arbiter_group_is_empty`` at endpoint teardown): off by default
     (docs/performance.md, "UCX worker threads")."""
-    raw = os.environ.get("KVBRIDGE_UCX_THREADS", "4")
+    raw = os.environ.get("KVBRIDGE_UCX_THREADS", "0")
     try:
         return int(raw)
     except ValueError:

@@ -104,8 +104,8 @@ class NixlTransport(Transport):
 
     ``progress_delay_us``: progress thread sleep between polls, µs, > 0 (default
     :func:`kvbridge.envs.progress_delay_us`; 1000 µs: an idle agent uses ~4 % of a core).
-    ``threads``: UCX worker threads (default :func:`kvbridge.envs.ucx_threads`, 4; 0:
-    NIXL's default, none)."""
+    ``threads``: UCX worker threads (default :func:`kvbridge.envs.ucx_threads`, 0: NIXL's
+    default, none; more speed up many small descriptors, but see that function)."""
 
     def __init__(
         self, name: str, *, progress_delay_us: int | None = None, threads: int | None = None

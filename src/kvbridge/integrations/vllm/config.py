@@ -94,7 +94,7 @@ class ConnectorConfig:
     (:meth:`Consumer.prepare`), so their first request costs what a warm one does."""
     num_threads: int | None = None
     """UCX worker threads of this engine's NIXL agents, the key vLLM's NixlConnector reads
-    (None: ``KVBRIDGE_UCX_THREADS``, default 4)."""
+    (None: ``KVBRIDGE_UCX_THREADS``, default 0; :func:`kvbridge.envs.ucx_threads`)."""
 
 
 KNOWN = {
