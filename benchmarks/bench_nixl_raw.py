@@ -41,7 +41,7 @@ Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # local, remote, nbytes (uint6
 def _owner(conn: Connection, nbytes: int) -> None:
     """P: register ``nbytes`` of random bytes, send metadata, wait for "stop"."""
     buf = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
-    with NixlTransport("bench-P") as transport:
+    with NixlTransport("bench-P", threads=0) as transport:  # P at NIXL's default
         conn.send((transport.register([Region(buf.ctypes.data, buf.nbytes)]), buf.ctypes.data))
         conn.recv()
     conn.close()

@@ -1,8 +1,9 @@
 """No import circle among kvbridge's modules: the graph of every ``import`` and ``from …
 import`` between modules of ``src/kvbridge`` (at module level, under ``TYPE_CHECKING`` too:
-a type is a dependency) must have no cycle. A module's own parent packages are not edges
-(Python loads them first anyway); ``from package import name`` is an edge to the
-submodule ``name`` where there is one, else to the package. Imports inside functions
+a type is a dependency) must have no cycle. Importing a module depends on it and on every
+package above it (their ``__init__`` runs first), except the packages above the importer
+itself, already loading; ``from package import name`` depends on the submodule ``name``
+where there is one, else on the package, the importer's own too. Imports inside functions
 are left out: they
 are the way to load a heavy or optional module late (Triton, the reference engine), and
 run after every module loaded. Prints each cycle found (one per strongly connected set
@@ -29,7 +30,8 @@ def module_of(path: Path) -> str:
 
 
 def top_level_imports(tree: ast.Module, here: str, is_pkg: bool, modules: set[str]) -> set[str]:
-    """Modules imported at module level (``if`` blocks included, function bodies not)."""
+    """Modules imported at module level (``if``, ``try``, ``with`` and class bodies
+    included, function bodies not); a name taken from a package: :data:`NAME` + it."""
     out: set[str] = set()
     todo: list[ast.stmt] = list(tree.body)
     while todo:
@@ -37,13 +39,16 @@ def top_level_imports(tree: ast.Module, here: str, is_pkg: bool, modules: set[st
         if isinstance(node, ast.If | ast.Try):
             todo += node.body + node.orelse
             todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+            todo += getattr(node, "finalbody", [])
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(node, here, is_pkg)
             for a in node.names:  # a submodule imported by name, else a name of ``base``
                 sub = f"{base}.{a.name}"
-                out.add(sub if sub in modules else base)
+                out.add(sub if sub in modules else NAME + base)
+        elif isinstance(node, ast.ClassDef | ast.With):
+            todo += node.body
     return out
 
 
@@ -55,14 +60,33 @@ def _absolute(node: ast.ImportFrom, here: str, is_pkg: bool) -> str:
     return ".".join(parts + ([node.module] if node.module else []))
 
 
+NAME = "name:"
+"""Marks an import of a name (not a submodule) from a package: it needs the package's
+``__init__`` to have run that far, even the importer's own package."""
+
+
+def edges_of(mod: str, deps: set[str], modules: set[str]) -> set[str]:
+    """Modules ``mod`` needs loaded: each imported module and every package above it
+    (loading a module runs its packages' ``__init__`` first), except the packages above
+    ``mod`` itself (already loading when ``mod`` runs) unless a name is taken from one."""
+    out = set()
+    for dep in deps:
+        named, d = dep.startswith(NAME), dep.removeprefix(NAME)
+        parts = d.split(".")
+        for i in range(1, len(parts) + 1):
+            p = ".".join(parts[:i])
+            if not mod.startswith(p + ".") or (named and p == d):
+                out.add(p)
+    return {d for d in out if d in modules and d != mod}
+
+
 def graph() -> dict[str, set[str]]:
     paths = {module_of(p): p for p in (ROOT / PACKAGE).rglob("*.py")}
     edges: dict[str, set[str]] = {}
     for mod, path in paths.items():
         tree = ast.parse(path.read_text(), str(path))
         deps = top_level_imports(tree, mod, path.name == "__init__.py", set(paths))
-        # a package's own modules load it first whatever they import: not an edge
-        edges[mod] = {d for d in deps if d in paths and d != mod and not mod.startswith(d + ".")}
+        edges[mod] = edges_of(mod, deps, set(paths))
     return edges
 
 

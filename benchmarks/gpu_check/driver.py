@@ -214,6 +214,9 @@ class CaseRun:
         bad, checked = self.verify(req, seed, staging)
         nbytes = sum(t.nbytes for t in ts)
         detail = dict(ts[0].detail) if ts else {}
+        per_desc = [(t.end - t.start) * 1e6 / t.descriptors for t in ts if t.descriptors]
+        if per_desc:  # each rank's own time per descriptor it posted, the slowest rank's
+            detail["us_per_desc"] = max(per_desc)
         for key in ("gpu_ms", "back_to_back_ms"):  # the slowest D rank's, as the wall time
             got = [v for t in ts if isinstance(v := t.detail.get(key), float)]
             if got:

@@ -37,6 +37,9 @@ from kvbridge.transport.nixl import NixlTransport
 LOAD_POLL_S = 0.0002
 
 
+RESTORE_WAIT_S = 10.0
+"""Most a NIXL-only load's end waits for the consumer to run no load before its kernel
+mover and mode come back (left off otherwise: the next loads show it)."""
 BUSY_S = 1.0
 """On a GPU a rank polls for its next command this long after each one, as vLLM's
 workers wait for their next step (``refengine.processes.serve``); a blocking rank's core
@@ -177,13 +180,18 @@ def load(st: RankState, cmd: m.Load) -> m.Timing:
     (queue, then the load: not this rank's polling)."""
     d = st.consumer
     assert d is not None
+    if not cmd.nixl_only:
+        return _load(d, cmd)
     kernel, mode = d.kernel, d.mode
-    if cmd.nixl_only:  # as across nodes: nothing of P mapped, the connector's own choice
-        d.kernel, d.mode = None, Mode.AUTO
+    d.kernel, d.mode = None, Mode.AUTO  # D's choice of mover as across nodes, AUTO's
     try:
         return _load(d, cmd)
-    finally:
-        d.kernel, d.mode = kernel, mode
+    finally:  # back once no load runs (a timed-out one may still be moving)
+        end = time.monotonic() + RESTORE_WAIT_S
+        while d.pending() and time.monotonic() < end:
+            time.sleep(LOAD_POLL_S)
+        if not d.pending():
+            d.kernel, d.mode = kernel, mode
 
 
 def _load(d: Consumer, cmd: m.Load) -> m.Timing:

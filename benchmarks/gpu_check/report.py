@@ -91,6 +91,7 @@ def _row(method: str, variant: str, samples: list[Sample]) -> dict[str, Any]:
         "stages_ms": _stages(samples),
         "gpu_ms": _detail_ms(samples, "gpu_ms"),
         "back_to_back_ms": _detail_ms(samples, "back_to_back_ms"),
+        "us_per_desc": _detail_ms(samples, "us_per_desc"),
         "gbps": nbytes / secs / 1e9 if secs > 0 else None,
         "nbytes": int(nbytes),
         "descriptors": int(_median_of_requests(samples, "descriptors")),
@@ -195,8 +196,8 @@ def _line(label: str, r: dict[str, Any]) -> str:
     bad = r["mismatches"]
     check = f"{r['verified_bytes'] / MIB:9.1f} MiB " + ("ok" if not bad else f"BAD {bad}")
     note = r["variant"]
-    if r["method"] == "direct" and r["descriptors"]:  # kvbridge's agents, per descriptor
-        note += f", {r['ms'] * 1e3 / r['descriptors']:.2f} µs/desc"
+    if r["method"] == "direct" and r.get("us_per_desc"):  # kvbridge's agents' posting
+        note += f", {r['us_per_desc']:.2f} µs/desc (a rank's time per its descriptor)"
     if r["method"] in CONNECTOR:
         note = f"{r['detail'].get('mover')}: {r['detail'].get('reason')}"
     ratios = f"{_fmt(r.get('x_contig'), '8.2f')} {_fmt(r.get('vllm_over'), '8.1f')}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from kvbridge.errors import ConfigError
+
 DEFAULTS = {
     # UCX's IB module segfaults at process exit (docs/performance.md, NIXL on this machine class).
     "UCX_MODULES": "^ib",
@@ -39,8 +41,6 @@ def ucx_threads() -> int:
     try:
         return int(raw)
     except ValueError:
-        from kvbridge.errors import ConfigError
-
         raise ConfigError(f"KVBRIDGE_UCX_THREADS={raw!r}: not a whole number") from None
 
 

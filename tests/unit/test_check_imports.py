@@ -15,12 +15,12 @@ check_imports = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check_imports)
 
 
-def _edges(sources: dict[str, str]) -> dict[str, set[str]]:
+def _edges(sources: dict[str, str], packages: frozenset[str] = frozenset()) -> dict[str, set[str]]:
     mods = set(sources)
     out = {}
     for mod, text in sources.items():
-        deps = check_imports.top_level_imports(ast.parse(text), mod, False, mods)
-        out[mod] = {d for d in deps if d in mods and d != mod and not mod.startswith(d + ".")}
+        deps = check_imports.top_level_imports(ast.parse(text), mod, mod in packages, mods)
+        out[mod] = check_imports.edges_of(mod, deps, mods)
     return out
 
 
@@ -43,6 +43,30 @@ def test_imports_inside_functions_and_parent_packages_are_no_edges() -> None:
     })  # fmt: skip
     assert edges["p.a"] == {"p.b"} and edges["p.b"] == set()
     assert check_imports.cycles(edges) == []
+
+
+def test_circles_through_package_inits_are_found() -> None:
+    """Importing ``p.a.x`` runs ``p/a/__init__`` first; a name taken from one's own
+    package needs its ``__init__`` too (both fail at import time in Python)."""
+    edges = _edges(
+        {
+            "p": "",
+            "p.a": "from p.a.x import X\n",
+            "p.a.x": "from p.b.y import Y\nX = 1\n",
+            "p.b": "",
+            "p.b.y": "from p.a.z import Z\nY = 1\n",
+            "p.a.z": "Z = 1\n",
+        },
+        frozenset({"p", "p.a", "p.b"}),
+    )
+    assert "p.a" in edges["p.b.y"]
+    assert check_imports.cycles(edges) == [["p.a", "p.a.x", "p.b.y"]]
+    own = _edges({"q": "from q.m import M\n", "q.m": "from q import N\nM = 1\n"}, frozenset({"q"}))
+    assert check_imports.cycles(own) == [["q", "q.m"]]
+    relative = _edges(
+        {"r": "", "r.s": "from . import t\n", "r.t": "import r.s as s\n"}, frozenset({"r"})
+    )
+    assert check_imports.cycles(relative) == [["r.s", "r.t"]]
 
 
 def test_kvbridge_has_no_import_circle() -> None:

@@ -324,9 +324,11 @@ def test_copy_divisor_divides_every_offset_and_tells_whole_rows(d, s, size, scal
     from kvbridge.connector.device_memory import copy_divisor
 
     d_off, s_off = np.array(d, np.int64) * scale, np.array(s, np.int64) * scale
-    k = copy_divisor(d_off, s_off, size)
-    assert k > 0 and not (d_off % k).any() and not (s_off % k).any()
-    if k % size == 0:
-        assert not (d_off % size).any() and not (s_off % size).any()
-    if size & (size - 1) == 0 and not (d_off % size).any() and not (s_off % size).any():
-        assert k % size == 0  # power-of-two rows are always told
+    whole = not (d_off % size).any() and not (s_off % size).any()
+    for rows in (True, False):
+        k = copy_divisor(d_off, s_off, size, rows)
+        assert k > 0 and not (d_off % k).any() and not (s_off % k).any()
+        if k % size == 0:
+            assert whole
+        if whole and (rows or size & (size - 1) == 0):
+            assert k % size == 0  # told where torch copies, and always for powers of two

@@ -81,7 +81,7 @@ def test_num_threads_is_read_as_vllms_nixl_connector_reads_it(monkeypatch) -> No
     a number is refused at start-up."""
     assert read_config(kv(num_threads=8)).num_threads == 8
     assert read_config(kv()).num_threads is None
-    for bad in (-1, 65, "many"):
+    for bad in (-1, 65, "many", True, 2.7):
         with pytest.raises(ConfigError, match="num_threads"):
             read_config(kv(num_threads=bad))
     from kvbridge.integrations.vllm import worker

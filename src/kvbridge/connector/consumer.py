@@ -144,8 +144,7 @@ class Consumer:
             self.stager = Stager(regions, workers, staging_bytes // workers)
         self._probe = ProbeArea()
         extra = [self.stager.pool.region] if self.stager else []
-        if self.mode is not Mode.PULL or not extra:
-            extra.append(self._probe.region)  # the push fence's probes land here
+        extra.append(self._probe.region)  # the push fence's probes (any mode: it may change)
         meta = self.transport.register(regions + extra)
         reserve_fds()  # a first handshake must not wait for the table to grow
         return meta

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.copies import by_length
-from kvbridge.connector.device_copies import checked_copy
+from kvbridge.connector.device_copies import checked_copy, triton_enabled
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region
 from kvbridge.transport.memory import byte_tensor, torch_device
@@ -150,13 +150,14 @@ def equal_runs(
     return [(d_off[run] + step, s_off[run] + step, piece)]
 
 
-def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int) -> int:
+def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int, rows: bool = True) -> int:
     """A divisor of every offset for :func:`checked_copy`, from one OR-reduction per side:
-    the offsets' lowest common set bit, or ``size`` where every offset is a multiple of a
-    ``size`` that is no power of two (then :func:`checked_copy` copies whole rows)."""
+    the offsets' lowest common set bit. Where that is no multiple of ``size`` (a ``size``
+    that is no power of two) and ``rows`` (torch will copy: whole rows are its faster
+    way), a scan tells whether every offset is a multiple of ``size`` (then ``size``)."""
     bits = int(np.bitwise_or.reduce(d_off)) | int(np.bitwise_or.reduce(s_off))
     low = bits & -bits if bits else 1 << 62  # all offsets 0: any divisor
-    if size & (size - 1) and low < size and not (d_off % size).any() and not (s_off % size).any():
+    if rows and low % size and not (d_off % size).any() and not (s_off % size).any():
         return size
     return low
 
@@ -198,9 +199,14 @@ class DeviceMemory:
         try:
             for d, s, size in equal_runs(d_off, s_off, length):
                 for t, off, name in ((dst, d, "destination"), (src, s, "source")):
-                    if int(off.min()) < 0 or int(off.max()) + size > t.numel():
-                        raise TransportError(f"a {name} run of {size} B leaves its memory")
-                divisor = copy_divisor(d, s, size)
+                    lo, hi = int(off.min()), int(off.max())
+                    if lo < 0 or hi + size > t.numel():
+                        raise TransportError(
+                            f"{name} runs of {size} B at offsets {lo}..{hi} leave the "
+                            f"{t.numel()} B {name} memory"
+                        )
+                rows = not (dst.is_cuda and triton_enabled())  # Triton copies any words
+                divisor = copy_divisor(d, s, size, rows)
                 checked_copy(dst, d, src, s, size, divisor, stream=self.stream)
         finally:
             if self.stream is not None:

@@ -148,7 +148,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             str(extra.get("keys_file", "")),
             str(extra.get("transport", "nixl")),
             _peers(extra.get("prepare", ())),
-            None if extra.get("num_threads") is None else int(extra["num_threads"]),
+            _whole("num_threads", extra.get("num_threads")),
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
@@ -166,6 +166,15 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
     if cfg.keys_file:  # refuse a bad file at start-up, not at the first request
         check_keys(cfg.keys_file, cfg.engine_id)
     return cfg
+
+
+def _whole(key: str, value: Any) -> int | None:
+    """A whole number given as one (or its digits), else ValueError; None if absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{key}: a whole number, not {value!r}")
+    return int(value)
 
 
 def _peers(value: Any) -> tuple[tuple[str, str], ...]:
