@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.bench_copies import _ms as _host_ms
 from benchmarks.bench_device_copies import SHAPES, Shape, _rows
 
 
@@ -37,15 +38,6 @@ def _gpu_ms(f: Callable[[], object], repeat: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
-
-
-def _host_ms(f: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def line(shape: Shape, runs: int, dev: torch.device, repeat: int) -> str:

@@ -14,6 +14,8 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.triton_state import kernel_facts
+
 if TYPE_CHECKING:
     from benchmarks.gpu_check import messages as m
     from benchmarks.gpu_check.driver import CaseRun
@@ -61,7 +63,7 @@ def triton_facts(st: RankState, _: m.TritonFacts) -> dict[str, Any]:
         "built": built,
         "ran": built and not failed,
         "warnings": list(_WARNINGS),
-        "kernels": triton_copy.facts() if state is not None else {},
+        "kernels": kernel_facts() if state is not None else {},
     }
 
 

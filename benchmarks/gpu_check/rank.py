@@ -24,7 +24,8 @@ import torch
 from benchmarks.gpu_check import messages as m
 from benchmarks.gpu_check import pattern
 from benchmarks.gpu_check.memory import Pools, allocate
-from kvbridge.connector import Consumer, Mode, ProducerWorker, TransferHandle, triton_copy
+from benchmarks.triton_state import wait_compiled
+from kvbridge.connector import Consumer, Mode, ProducerWorker, TransferHandle
 from kvbridge.connector.kernel_mover import Span
 from kvbridge.layout.tensor import Region, regions_at
 from kvbridge.layout.view import RankLayout
@@ -278,7 +279,7 @@ def fill_staging(st: RankState, cmd: m.FillStaging) -> None:
 def verify(st: RankState, cmd: m.Verify) -> m.Checked:
     # a fixed-length kernel the transfer queued compiles now, outside the timed transfers
     # (a process compiles each once; its seconds are in the triton facts)
-    triton_copy.wait_compiled(COMPILE_WAIT_S)
+    wait_compiled(COMPILE_WAIT_S)
     if cmd.staging:
         return m.Checked(
             pattern.flat_mismatches(st.pools.staging, cmd.nbytes, cmd.seed), cmd.nbytes

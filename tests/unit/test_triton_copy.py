@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.triton_state import kernel_facts, wait_compiled
 from kvbridge.connector import triton_copy
 
 pytestmark = pytest.mark.skipif(
@@ -36,7 +37,7 @@ def kernels(monkeypatch: pytest.MonkeyPatch):
     st = triton_copy.Kernels()
     monkeypatch.setattr(triton_copy, "STATE", st)
     yield st
-    assert triton_copy.wait_compiled(120), "a fixed-form compile still running"
+    assert wait_compiled(120), "a fixed-form compile still running"
 
 
 class Case:
@@ -75,7 +76,7 @@ def test_both_forms_copy_exactly(kernels: triton_copy.Kernels, row: int, dtype) 
         assert c.run()
         c.check()
     assert kernels.launches == {"generic": 2}
-    assert triton_copy.wait_compiled(120)
+    assert wait_compiled(120)
     assert list(kernels.ready) == [("runs", row, dtype, DEVICE if DEVICE == "cpu" else "cuda:0")]
     assert cases[2].run()
     cases[2].check()
@@ -86,7 +87,7 @@ def test_both_forms_copy_exactly(kernels: triton_copy.Kernels, row: int, dtype) 
 def test_one_off_lengths_compile_nothing(kernels: triton_copy.Kernels) -> None:
     for row in (5, 6, 7):
         assert Case(row, torch.int64).run()
-    assert triton_copy.wait_compiled(5)
+    assert wait_compiled(5)
     assert not kernels.queued and not kernels.ready
     assert kernels.launches == {"generic": 3}
 
@@ -96,7 +97,7 @@ def test_the_fixed_forms_are_bounded(kernels: triton_copy.Kernels) -> None:
     for _ in range(triton_copy.SPECIALISE_AFTER):
         for row in rows:
             Case(row, torch.int32).run()
-    assert triton_copy.wait_compiled(120)
+    assert wait_compiled(120)
     assert len(kernels.ready) == triton_copy.SPECIAL_KEYS
     assert sorted(k[1] for k in kernels.ready) == list(rows)[: triton_copy.SPECIAL_KEYS]
     for row in rows:  # the first SPECIAL_KEYS lengths fixed, the rest generic, all exact
@@ -111,7 +112,7 @@ def test_unaligned_pointers_take_the_generic_form(kernels: triton_copy.Kernels) 
     c = Case(48, torch.int64)
     for _ in range(triton_copy.SPECIALISE_AFTER):
         c.run()
-    assert triton_copy.wait_compiled(120) and kernels.ready
+    assert wait_compiled(120) and kernels.ready
     wide = torch.zeros(c.dst.numel() + 1, dtype=torch.int64, device=DEVICE)
     off = wide[1:]  # 8 B past a 16-aligned start
     assert off.data_ptr() % 16 == 8
@@ -145,7 +146,7 @@ def test_a_failing_compile_leaves_the_generic_form(kernels, caplog) -> None:
     _break_fixed(kernels)
     with caplog.at_level(logging.WARNING, logger=triton_copy.__name__):
         c.run()  # queues the compile, which fails
-        assert triton_copy.wait_compiled(60)
+        assert wait_compiled(60)
         for seed in range(3):
             other = Case(32, torch.int64, seed=seed + 1)
             assert other.run()
@@ -159,7 +160,7 @@ def test_a_failing_fixed_launch_copies_with_the_generic_form(kernels, caplog) ->
     c = Case(40, torch.int16)
     for _ in range(triton_copy.SPECIALISE_AFTER):
         c.run()
-    assert triton_copy.wait_compiled(120) and kernels.ready
+    assert wait_compiled(120) and kernels.ready
     _break_fixed(kernels)
     again = Case(40, torch.int16, seed=4)
     with caplog.at_level(logging.WARNING, logger=triton_copy.__name__):
@@ -179,11 +180,11 @@ def test_the_switch_keeps_the_generic_form(kernels, monkeypatch) -> None:
 
 
 def test_facts_say_what_ran(kernels: triton_copy.Kernels) -> None:
-    assert triton_copy.facts()["built"] is False
+    assert kernel_facts()["built"] is False
     for _ in range(triton_copy.SPECIALISE_AFTER + 1):
         Case(24, torch.int32).run()
-        triton_copy.wait_compiled(120)
-    f = triton_copy.facts()
+        wait_compiled(120)
+    f = kernel_facts()
     assert f["built"] and not f["failed"] and not f["fixed_failed"]
     assert f["launches"] == {"generic": triton_copy.SPECIALISE_AFTER, "fixed": 1}
     assert [(r["row"], r["dtype"]) for r in f["fixed_ready"]] == [(24, "int32")]
@@ -241,7 +242,7 @@ def test_the_grid_kernel_copies_exactly_in_both_forms(kernels, row: int, dtype) 
     for c in cases[:2]:
         assert c.run()
         c.check()
-    assert triton_copy.wait_compiled(120)
+    assert wait_compiled(120)
     assert [k[:2] for k in kernels.ready] == [("grid", row)]
     assert cases[2].run()
     cases[2].check()
@@ -283,7 +284,7 @@ def test_small_or_unaligned_copies_count_for_no_fixed_form(kernels, monkeypatch)
     for _ in range(3):
         c.run(wide[1:])  # 8 B past an aligned start
     c.check(wide[1:])
-    assert triton_copy.wait_compiled(5)
+    assert wait_compiled(5)
     assert not kernels.queued and not kernels.seen and kernels.launches == {"generic": 6}
 
 
@@ -322,7 +323,7 @@ def test_the_first_fixed_copy_compiles_nothing_on_the_copy_path(kernels) -> None
     c = Case(640, torch.int64)
     for _ in range(triton_copy.SPECIALISE_AFTER):
         c.run()
-    assert triton_copy.wait_compiled(120) and kernels.ready and kernels.forms is not None
+    assert wait_compiled(120) and kernels.ready and kernels.forms is not None
     caches = getattr(kernels.forms["runs"][1], "device_caches", None)
     if caches is None:
         pytest.skip("this Triton keeps its kernel cache elsewhere")

@@ -270,15 +270,27 @@ def _inspect(
 def _inspect_host(
     dst: torch.Tensor, d: np.ndarray, src: torch.Tensor, s: np.ndarray, size: int
 ) -> tuple[bool, int]:
-    """:func:`_inspect` for offsets still in host memory (numpy), before any transfer."""
+    """:func:`_inspect` for offsets still in host memory (numpy), before any transfer:
+    each side's extremes, and the facts from :func:`copy_divisor`."""
     if d.shape != s.shape or d.ndim != 1 or d.shape[0] == 0 or d.dtype.kind not in "iu":
         return True, 8  # refused or a no-op below, by the tensor path
-    both = np.stack((d, s)).astype(np.int64, copy=False)
-    lo, hi = both.min(axis=1), both.max(axis=1)
-    _inside("destination", dst.numel(), int(lo[0]), int(hi[0]), size)
-    _inside("source", src.numel(), int(lo[1]), int(hi[1]), size)
-    capped = both | 8
-    return bool((both % size == 0).all()), int((capped & -capped).min())
+    d, s = d.astype(np.int64, copy=False), s.astype(np.int64, copy=False)
+    _inside("destination", dst.numel(), int(d.min()), int(d.max()), size)
+    _inside("source", src.numel(), int(s.min()), int(s.max()), size)
+    k = copy_divisor(d, s, size, rows=not (dst.is_cuda and triton_enabled()))
+    return k % size == 0, min(k & -k, 8)
+
+
+def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int, rows: bool = True) -> int:
+    """A divisor of every offset for :func:`checked_copy`, from one OR-reduction per side:
+    the offsets' lowest common set bit. Where that is no multiple of ``size`` (a ``size``
+    that is no power of two) and ``rows`` (torch will copy: whole rows are its faster
+    way), a scan tells whether every offset is a multiple of ``size`` (then ``size``)."""
+    bits = int(np.bitwise_or.reduce(d_off)) | int(np.bitwise_or.reduce(s_off))
+    low = bits & -bits if bits else 1 << 62  # all offsets 0: any divisor
+    if rows and low % size and not (d_off % size).any() and not (s_off % size).any():
+        return size
+    return low
 
 
 def _inside(name: str, nbytes: int, lo: int, hi: int, size: int) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.copies import by_length
-from kvbridge.connector.device_copies import checked_copy, triton_enabled
+from kvbridge.connector.device_copies import rows_copy
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region
 from kvbridge.transport.memory import byte_tensor, torch_device
@@ -150,18 +150,6 @@ def equal_runs(
     return [(d_off[run] + step, s_off[run] + step, piece)]
 
 
-def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int, rows: bool = True) -> int:
-    """A divisor of every offset for :func:`checked_copy`, from one OR-reduction per side:
-    the offsets' lowest common set bit. Where that is no multiple of ``size`` (a ``size``
-    that is no power of two) and ``rows`` (torch will copy: whole rows are its faster
-    way), a scan tells whether every offset is a multiple of ``size`` (then ``size``)."""
-    bits = int(np.bitwise_or.reduce(d_off)) | int(np.bitwise_or.reduce(s_off))
-    low = bits & -bits if bits else 1 << 62  # all offsets 0: any divisor
-    if rows and low % size and not (d_off % size).any() and not (s_off % size).any():
-        return size
-    return low
-
-
 class DeviceMemory:
     """Writable torch access to a rank's device ``regions``, addressed by absolute
     address, with :meth:`scatter` and :meth:`gather` as :class:`LocalMemory` has; each
@@ -198,16 +186,7 @@ class DeviceMemory:
     ) -> None:
         try:
             for d, s, size in equal_runs(d_off, s_off, length):
-                for t, off, name in ((dst, d, "destination"), (src, s, "source")):
-                    lo, hi = int(off.min()), int(off.max())
-                    if lo < 0 or hi + size > t.numel():
-                        raise TransportError(
-                            f"{name} runs of {size} B at offsets {lo}..{hi} leave the "
-                            f"{t.numel()} B {name} memory"
-                        )
-                rows = not (dst.is_cuda and triton_enabled())  # Triton copies any words
-                divisor = copy_divisor(d, s, size, rows)
-                checked_copy(dst, d, src, s, size, divisor, stream=self.stream)
+                rows_copy(dst, d, src, s, size, stream=self.stream)
         finally:
             if self.stream is not None:
                 self.stream.synchronize()

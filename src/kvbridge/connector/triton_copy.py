@@ -229,36 +229,6 @@ def _fixed_off(st: Kernels, exc: Exception) -> None:
         )
 
 
-def facts() -> dict[str, Any]:
-    """What the kernels did in this process (gpu-check's triton facts)."""
-    st = STATE
-    with st.lock:
-        ready = sorted(
-            ({"kind": k, "row": r, "dtype": str(d).removeprefix("torch."), "device": dev,
-              "compile_s": s} for (k, r, d, dev), s in st.ready.items()),
-            key=lambda f: (f["kind"], f["row"], f["dtype"]),
-        )  # fmt: skip
-        return {
-            "failed": st.failed,
-            "built": st.forms is not None,
-            "fixed_failed": st.fixed_failed,
-            "fixed_ready": ready,
-            "fixed_queued": len(st.queued),
-            "launches": dict(st.launches),
-        }
-
-
-def wait_compiled(timeout_s: float) -> bool:
-    """Wait until every queued fixed form compiled or failed (tests, benchmarks)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with STATE.lock:
-            if STATE.fixed_failed or STATE.queued <= STATE.ready.keys():
-                return True
-        time.sleep(0.005)
-    return False
-
-
 def _build() -> dict[str, tuple[Any, Any]]:
     """Each kind's (generic, fixed) forms, imported on first use: importing Triton costs
     hundreds of milliseconds that a host-only process never pays."""
