@@ -1,6 +1,7 @@
-"""AUTO mode: D measures READ and WRITE with each P once and pushes only where WRITE is
-clearly faster (GPU memory between processes without RDMA: READ emulated over TCP). A D
-transport whose READs are slow stands in for that pair; bytes stay byte-exact either way."""
+"""AUTO mode: D measures each direction's costs with each P epoch once (a round, a
+descriptor, a byte) and prices every request both ways (:mod:`kvbridge.connector.choice`).
+D transports whose READs are slow in one way or another stand in for the pairs that
+differ; bytes stay byte-exact whichever way a request goes."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 
+from kvbridge.connector.choice import PROBE_ROUNDS, PROBE_TIMEOUT_S, SLOW_NET_S
 from kvbridge.connector.load import Mode
-from kvbridge.connector.movers import MARGIN, PROBE_ROUNDS, PROBE_TIMEOUT_S, Directions
 from kvbridge.transport.base import XferHandle
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import World, check_bytes
 
-READ_GBPS = 0.5  # GPU-to-GPU READ under UCX's emulation (docs/gpu.md)
 READ_LATENCY_S = 0.05  # the toy P's regions are small: a fixed cost makes the gap plain
 
 
@@ -24,8 +25,38 @@ class SlowReads(LoopbackTransport):
     what the loopback copy takes (plus the side channel's round trip to ask for them)."""
 
     def read(self, peer, local, remote, nbytes, notif=None) -> XferHandle:  # type: ignore[no-untyped-def]
-        time.sleep(READ_LATENCY_S + float(np.asarray(nbytes).sum()) / (READ_GBPS * 1e9))
+        time.sleep(READ_LATENCY_S + float(np.asarray(nbytes).sum()) / 0.5e9)
         return super().read(peer, local, remote, nbytes, notif)
+
+
+class TcpReads(LoopbackTransport):
+    """READs move 20 MB/s (a READ emulated over TCP between GPUs, scaled to the toy
+    model's regions); nothing else differs."""
+
+    def read(self, peer, local, remote, nbytes, notif=None) -> XferHandle:  # type: ignore[no-untyped-def]
+        time.sleep(float(np.asarray(nbytes).sum()) / 20e6)
+        return super().read(peer, local, remote, nbytes, notif)
+
+
+class LateReads(LoopbackTransport):
+    """Every READ waits 3 ms before it starts, whatever it moves."""
+
+    def read(self, peer, local, remote, nbytes, notif=None) -> XferHandle:  # type: ignore[no-untyped-def]
+        time.sleep(3e-3)
+        return super().read(peer, local, remote, nbytes, notif)
+
+
+def costly_writes(w: World, per_desc_s: float) -> None:
+    """P's WRITEs cost ``per_desc_s`` per descriptor (P's agents)."""
+    for worker in w.workers:
+        agent = worker.transport
+        real = agent.write
+
+        def write(peer, local, remote, nbytes, notif=None, real=real):  # type: ignore[no-untyped-def]
+            time.sleep(per_desc_s * len(nbytes))
+            return real(peer, local, remote, nbytes, notif)
+
+        agent.write = write  # type: ignore[method-assign]
 
 
 def load(w: World, rid: str, n: int = 45):
@@ -42,11 +73,26 @@ def test_auto_pushes_where_reads_are_slow_and_measures_once() -> None:
     w = World(mode=Mode.AUTO, d_transport=SlowReads)
     try:
         out = load(w, "a")
-        assert out.mover == "push" and "auto: push, measured READ" in out.reason, out.reason
-        (found,) = w.consumers[0].directions.values()
-        assert found.write_s * MARGIN < found.read_s and found.nbytes > 0
+        assert out.mover == "push" and "auto: push, priced pull" in out.reason, out.reason
+        (found,) = w.consumers[0].pair_costs.values()
+        assert found.read is not None and found.write is not None and found.nbytes > 0
+        assert found.read.round_s > READ_LATENCY_S * 0.9 > found.write.round_s
         assert load(w, "b").mover == "push"
-        assert len(w.consumers[0].directions) == 1  # measured once per P epoch
+        assert len(w.consumers[0].pair_costs) == 1  # measured once per P epoch
+    finally:
+        w.close()
+
+
+def test_a_read_at_tcp_speed_is_never_chosen() -> None:
+    """However small the request: one 4-token load, whose one round would be cheaper
+    pulled by price, is pushed all the same."""
+    w = World(mode=Mode.AUTO, d_transport=TcpReads)
+    try:
+        out = load(w, "a", 4)
+        assert out.mover == "push" and "never READ" in out.reason, out.reason
+        (found,) = w.consumers[0].pair_costs.values()
+        assert found.slow() == "READ"
+        assert found.read is not None and found.read.byte_s * found.nbytes >= SLOW_NET_S
     finally:
         w.close()
 
@@ -55,7 +101,36 @@ def test_auto_pulls_where_both_directions_cost_the_same() -> None:
     w = World(mode=Mode.AUTO)
     try:
         out = load(w, "a")
-        assert out.mover == "pull" and "auto: pull, measured READ" in out.reason, out.reason
+        assert out.mover == "pull" and "auto: pull, priced pull" in out.reason, out.reason
+        (found,) = w.consumers[0].pair_costs.values()
+        assert found.slow() == ""
+    finally:
+        w.close()
+
+
+def test_the_choice_is_per_request() -> None:
+    """READs wait 3 ms each, P's WRITEs cost 10 µs a descriptor, nothing staged: a small
+    request is pushed (one round each way, few descriptors), a request of thousands of
+    runs pulled (one late READ beats thousands of costly WRITE descriptors), one pair."""
+    w = World(mode=Mode.AUTO, d_transport=LateReads)
+    try:
+        costly_writes(w, 10e-6)
+        w.consumers[0].staging = False
+        small, big = load(w, "small", 4), load(w, "big", 250)
+        assert small.descriptors < 200 < 1000 < big.descriptors, (small, big)
+        assert small.mover == "push" and "auto: push, priced" in small.reason, small.reason
+        assert big.mover == "pull" and "auto: pull, priced" in big.reason, big.reason
+        assert len(w.consumers[0].pair_costs) == 1
+    finally:
+        w.close()
+
+
+def test_a_staged_pull_counts_its_spans() -> None:
+    w = World(mode=Mode.AUTO)
+    try:
+        out = load(w, "a", 200)
+        assert out.mover == "pull" and out.staged_runs > 0
+        assert 0 < out.descriptors < out.staged_runs, out
     finally:
         w.close()
 
@@ -73,12 +148,15 @@ def test_auto_pulls_when_p_cannot_push_and_says_why() -> None:
         w.close()
 
 
-def test_the_choice_needs_a_clear_margin() -> None:
-    assert Directions(1 << 20, 1.0, 0.5).choice()[0] is Mode.PUSH
-    assert Directions(1 << 20, 1.0, 0.8).choice()[0] is Mode.PULL
-    assert Directions(1 << 20, 0.01, 1.0).choice()[0] is Mode.PULL
-    mode, why = Directions(0, 0.0, 0.0, "probe failed: x").choice()
-    assert mode is Mode.PULL and "probe failed" in why
+@pytest.mark.parametrize("mode", [Mode.PULL, Mode.PUSH])
+def test_a_set_mode_measures_nothing(mode: Mode) -> None:
+    w = World(mode=mode)
+    try:
+        out = load(w, "a")
+        assert out.mover == mode.value and f"{mode.value} mode" in out.reason
+        assert not w.consumers[0].pair_costs
+    finally:
+        w.close()
 
 
 def test_the_whole_probe_has_one_deadline() -> None:
@@ -97,7 +175,7 @@ def test_the_whole_probe_has_one_deadline() -> None:
 
         d.transport.wait = wait  # type: ignore[method-assign]
         load(w, "a")
-        probe = given[:PROBE_ROUNDS]  # the probe's READs come first
+        probe = given[: 3 * PROBE_ROUNDS]  # the probe's READs come first
         assert all(b < a - 0.04 for a, b in itertools.pairwise(probe)), probe
         assert probe[0] <= PROBE_TIMEOUT_S
     finally:

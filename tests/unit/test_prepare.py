@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvbridge.connector.choice import PROBE_ROUNDS
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.load import Mode
 from kvbridge.errors import PeerError, TransportError
@@ -164,11 +165,11 @@ def test_auto_measures_the_direction_in_prepare_not_in_the_first_load(monkeypatc
     try:
         d = w.consumers[0]
         d.prepare(w.producer.endpoint, "P").result(timeout=10)
-        assert len(d.directions) == 1
+        assert len(d.pair_costs) == 1
         calls = []
         monkeypatch.setattr(movers, "measure", lambda *a: calls.append(a))
         out = load_one(w, "r1")
-        assert "measured READ" in out.reason and not calls, out.reason
+        assert "priced pull" in out.reason and not calls, out.reason
     finally:
         w.close()
 
@@ -182,8 +183,9 @@ def test_push_mode_prepares_with_the_probe_both_ways_and_keeps_no_direction() ->
         reads = counted_reads(d)
         d.prepare(w.producer.endpoint, "P").result(timeout=10)
         peer = d.peers.known(w.request("probe", 8)[0])
-        assert peer is not None and not d.directions
-        assert sorted(reads) == sorted(list(peer.agents.values()) * 3)  # PROBE_ROUNDS each
+        assert peer is not None and not d.pair_costs
+        rounds = 3 * PROBE_ROUNDS  # three READs a round (one run, many, one long)
+        assert sorted(reads) == sorted(list(peer.agents.values()) * rounds)
         assert load_one(w, "r1").mover == "push"
     finally:
         w.close()
@@ -202,7 +204,7 @@ def test_a_stalled_p_costs_prepare_one_staging_slot_at_most_and_no_failure(mode:
         for agent in ("p0", "p1"):
             d.transport.stall(agent)  # type: ignore[attr-defined]
         assert d.prepare(w.producer.endpoint, "P").result(timeout=30) == w.producer.epoch
-        assert d.stager.pool.quarantined <= 1 and not d.directions
+        assert d.stager.pool.quarantined <= 1 and not d.pair_costs
         for agent in ("p0", "p1"):
             d.transport.resume(agent)  # type: ignore[attr-defined]
         load_one(w, "r1")
@@ -211,12 +213,12 @@ def test_a_stalled_p_costs_prepare_one_staging_slot_at_most_and_no_failure(mode:
 
 
 def test_auto_loads_do_not_wait_behind_a_prepares_measurement(monkeypatch) -> None:
-    """Prepare measures outside the lock loads read the directions under: a load of a P
+    """Prepare measures outside the lock loads read the pair costs under: a load of a P
     measured already takes its usual time while a prepare measures 2 s."""
     import time
 
     from kvbridge.connector import prepare as prepare_module
-    from kvbridge.connector.movers import Directions
+    from kvbridge.connector.choice import PairCosts
 
     w = World(mode=Mode.AUTO)
     try:
@@ -225,7 +227,7 @@ def test_auto_loads_do_not_wait_behind_a_prepares_measurement(monkeypatch) -> No
 
         def slow(*_):  # type: ignore[no-untyped-def]
             time.sleep(2.0)
-            return Directions(0, 0.0, 0.0, "slow")
+            return PairCosts(note="slow")
 
         monkeypatch.setattr(prepare_module, "measure", slow)
         running = d.prepare(w.producer.endpoint, "P")

@@ -76,6 +76,7 @@ B = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 PINNED = {  # name: (type, labels besides the engine's, buckets): dashboards rely on these
     "vllm:kvbridge_loads": ("counter", ["outcome"], None),
     "vllm:kvbridge_loads_by_mover": ("counter", ["mover"], None),
+    "vllm:kvbridge_loads_by_route": ("counter", ["mover", "route"], None),
     "vllm:kvbridge_load_failures": ("counter", ["cause"], None),
     "vllm:kvbridge_transferred_bytes": ("counter", [], None),
     "vllm:kvbridge_descriptors": ("counter", [], None),
@@ -111,3 +112,17 @@ def test_the_metric_names_types_labels_and_buckets_are_pinned() -> None:
     built_in = {f"vllm:kvbridge_{m.name}" for m in BUILT_IN}  # not a test's own
     assert built_in == set(want)
     assert {k: v for k, v in got.items() if k in built_in} == want
+
+
+def test_loads_are_counted_by_route() -> None:
+    reg = _observe(
+        Outcome("a", True, bytes=1, mover="pull", staged_runs=300),
+        Outcome("b", True, bytes=1, mover="pull"),
+        Outcome("c", True, bytes=1, mover="kernel"),
+        Outcome("d", False, mover="push", error="TransferTimeout: x"),
+    )
+    for mover, route in (("pull", "staged"), ("pull", "direct"), ("kernel", "kernel")):
+        labels = {"engine": "0", "mover": mover, "route": route}
+        assert reg.get_sample_value("vllm:kvbridge_loads_by_route_total", labels) == 1
+    push = {"engine": "0", "mover": "push", "route": "direct"}
+    assert reg.get_sample_value("vllm:kvbridge_loads_by_route_total", push) is None

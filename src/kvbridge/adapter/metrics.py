@@ -49,6 +49,12 @@ def cause(out: Outcome) -> str:
     return out.error.split(":", 1)[0] or "unknown"
 
 
+def _route(o: Outcome) -> str:
+    if o.mover == "kernel":
+        return "kernel"
+    return "staged" if o.staged_runs else "direct"
+
+
 def _failed_time(o: Outcome) -> list[Sample]:
     """A failed load's time, queued to failed: its own metric, not ``load_seconds`` under
     an ``outcome`` label (a new label would change that metric's series and break the
@@ -97,6 +103,13 @@ BUILT_IN: tuple[Metric, ...] = (
         "KV loads done, by mover (kernel, pull, push).",
         ("mover",),
         lambda o: [(o.mover or "unknown", 1)] if o.ok else [],
+    ),
+    Metric(
+        "loads_by_route",
+        "KV loads done, by mover and route (kernel; direct, or staged where any source "
+        "rank went through the staging area).",
+        ("mover", "route"),
+        lambda o: [(o.mover or "unknown", _route(o), 1)] if o.ok else [],
     ),
     Metric(
         "load_failures",

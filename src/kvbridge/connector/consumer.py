@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from kvbridge.connector.choice import PairCosts
 from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
 from kvbridge.connector.inline import abandon, start, taken_over
@@ -35,7 +36,7 @@ from kvbridge.connector.load import (
     _Load,
     failed_blocks,
 )
-from kvbridge.connector.movers import Directions, early, movers, plan_geometry, transfer
+from kvbridge.connector.movers import early, movers, plan_geometry, transfer
 from kvbridge.connector.peers import Peer, PeerCache, Target
 from kvbridge.connector.prepare import prepare
 from kvbridge.connector.pull import POST_RUNS
@@ -111,7 +112,7 @@ class Consumer:
         self.kernel, self.movers = kernel_mover(regions) if kernel else None, movers()
         self.metadata = self._register(regions, staging_bytes, workers)
         self._notifs: set[bytes] = set()
-        self.directions: dict[tuple[str, str], Directions] = {}
+        self.pair_costs: dict[tuple[str, str], PairCosts] = {}
         """READ and WRITE as measured per P (engine id, epoch), in AUTO mode."""
         self.measuring = threading.Lock()
         self.peers = PeerCache(

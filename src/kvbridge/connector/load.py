@@ -55,9 +55,9 @@ class Mode(enum.StrEnum):
     PUSH = "push"
     """D sends its plan; each P rank writes into D's blocks and notifies."""
     AUTO = "auto"
-    """Per P instance, whichever of READ and WRITE D measured faster at the first load
-    (:func:`kvbridge.connector.movers.measure`): push where READ is emulated (GPU memory
-    between two processes without RDMA: 0.5 GB/s against 1 TB/s), else pull."""
+    """Per request, pull or push, whichever costs less by what D measured with the P
+    epoch (:mod:`kvbridge.connector.choice`): never a direction whose bytes are priced
+    far above the other's (READ emulated over TCP between GPUs without RDMA)."""
 
 
 class LoadState(enum.Enum):
@@ -157,6 +157,8 @@ class _Load:
     start), ended by the mover's run in a worker (or by the failure path)."""
     launched_by: tuple[str, str] | None = None
     """(mover, why) of a load an early mover started on the engine's thread."""
+    direction: tuple[Mode, str] | None = None
+    """Pull or push for this load and why (:func:`kvbridge.connector.movers.direction`)."""
     planned_in: str = ""
     """The mover whose own geometry the load was planned in, the only one that may move
     it ("": the pair's geometry, any mover)."""

@@ -1,11 +1,8 @@
 """The movers a D rank's load may take, by name in one registry (``docs/gpu.md``): D tries
 them in ``order`` and the first that serves moves the load (``Outcome.mover``). Built in:
 ``kernel``, ``push`` and ``pull``. In :attr:`~kvbridge.connector.load.Mode.AUTO` push or
-pull is measured once per P epoch: D READs up to PROBE_BYTES of a P rank's first region
-into a staging slot, then asks that rank to WRITE the same bytes there, ``PROBE_ROUNDS``
-times in turn, and keeps each direction's fastest; push wins when WRITE took less than
-1/``MARGIN`` of READ's time, all within ``PROBE_TIMEOUT_S``. A probe still running at its deadline
-keeps the slot out of the pool.
+pull is chosen per request from what D measured once per P epoch
+(:mod:`kvbridge.connector.choice`).
 """
 
 from __future__ import annotations
@@ -17,13 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
+from kvbridge.connector.choice import PairCosts, choose, measure
 from kvbridge.connector.load import Mode, _Load
 from kvbridge.connector.peers import Peer
 from kvbridge.connector.pull import pull
-from kvbridge.connector.push import Pusher, choose_push, push_staged, reply_runs
-from kvbridge.control.messages import PushRuns
+from kvbridge.connector.push import Pusher, choose_push, push_staged
+from kvbridge.connector.staging import Link
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.geometry import Geometry
 from kvbridge.plan.plan import Plan
@@ -39,7 +35,7 @@ if TYPE_CHECKING:
 class Rank(Protocol):
     """What the movers use of a D rank: its memory's movers (``kernel``, ``stager``,
     ``transport``), how it moves (``mode``, ``staging``, ``post_runs``, ``timeout_s``),
-    AUTO's measured ``directions`` and their lock, its lease calls, its identity for P,
+    AUTO's measured ``pair_costs`` and their lock, its lease calls, its identity for P,
     and its notification wait. A :class:`~kvbridge.connector.consumer.Consumer` is one;
     the movers never see the rest of it."""
 
@@ -74,7 +70,7 @@ class Rank(Protocol):
     def timeout_s(self) -> float: ...
 
     @property
-    def directions(self) -> dict[tuple[str, str], Directions]: ...
+    def pair_costs(self) -> dict[tuple[str, str], PairCosts]: ...
 
     @property
     def measuring(self) -> threading.Lock: ...
@@ -210,114 +206,66 @@ def _kernel_ready(d: Rank, peer: Peer) -> bool:
     return d.kernel is None or d.kernel.ready(peer)
 
 
-PROBE_BYTES = 8 << 20
-MARGIN = 1.5
-PROBE_TIMEOUT_S = 5.0
-PROBE_ROUNDS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class Directions:
-    """What one measurement found: seconds for ``nbytes`` each way (inf: failed)."""
-
-    nbytes: int
-    read_s: float
-    write_s: float
-    note: str = ""
-
-    def choice(self) -> tuple[Mode, str]:
-        """``(pull or push, why)``."""
-        if self.note:
-            return Mode.PULL, f"auto: pull ({self.note})"
-        speeds = f"READ {_rate(self.nbytes, self.read_s)}, WRITE {_rate(self.nbytes, self.write_s)}"
-        if self.write_s * MARGIN < self.read_s:
-            return Mode.PUSH, f"auto: push, measured {speeds}"
-        return Mode.PULL, f"auto: pull, measured {speeds}"
-
-
-def _rate(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:.2f} GB/s" if 0 < seconds < float("inf") else "failed"
-
-
-def measure(d: Rank, peer: Peer, src: int) -> Directions:
-    """Time a READ and a WRITE of the same bytes between P rank ``src`` and D's staging
-    slot; both land in the slot, never in a KV block."""
-    stager = d.stager
-    if stager is None:
-        return Directions(0, 0.0, 0.0, "no staging slot to probe into")
-    info = peer.ranks.get(src)
-    if info is None or not info.endpoint or not info.regions:
-        return Directions(0, 0.0, 0.0, f"P rank {src} serves no push channel")
-    size = min(PROBE_BYTES, stager.pool.slot_bytes, info.regions[0])
-    slot = stager.pool.take(PROBE_TIMEOUT_S)
-    if slot is None:
-        return Directions(0, 0.0, 0.0, "no free staging slot")
-    clean = False
-    try:
-        at = stager.pool.region.addr + slot * stager.pool.slot_bytes
-        one = np.ones(1, np.uint64)
-        local, remote, n = one * at, one * info.bases[0], one * size
-        read_s = write_s = float("inf")
-        end = time.monotonic() + PROBE_TIMEOUT_S  # the whole probe's, not each transfer's
-        for i in range(PROBE_ROUNDS):  # interleaved; the first of each pays the pair's set-up
-            if i and time.monotonic() > end:  # what was measured so far
-                break
-            t0 = time.perf_counter()
-            handle = d.transport.read(peer.agents[src], local, remote, n)
-            d.transport.wait(handle, max(end - time.monotonic(), 0.001))
-            read_s = min(read_s, time.perf_counter() - t0)
-            write_s = min(write_s, _write(d, peer, src, (local, remote, n), end))
-        clean = True
-    except KVBridgeError as exc:
-        return Directions(size, float("inf"), float("inf"), f"probe failed: {exc}")
-    finally:
-        stager.pool.give_back(slot, clean)
-    return Directions(size, read_s, write_s)
-
-
-def _write(
-    d: Rank,
-    peer: Peer,
-    src: int,
-    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
-    end: float,
-) -> float:
-    """Seconds from asking P rank ``src`` to write ``runs`` (local = D) to their landing,
-    which must come before ``end`` (``time.monotonic()``)."""
-    local, remote, n = (a.astype("<u8").tobytes() for a in runs)
-    notif = f"kvb-probe:{secrets.token_hex(8)}".encode()
-    probe = PushRuns(
-        "probe:" + notif.decode(), d.metadata, src=remote, dst=local, nbytes=n, notif=notif,
-        nonce=notif.decode(), d_engine=d.engine_id,
-    )  # fmt: skip
-    t0 = time.perf_counter()
-    reply_runs(peer.rank_client(src).call(probe), "probe")
-    d.await_notifs({notif}, end)
-    return time.perf_counter() - t0
-
-
-def direction(d: Rank, peer: Peer, src: int) -> tuple[Mode, str]:
-    """Pull or push, and why: the configured mode, or (AUTO) what D measured with
-    this P epoch (once, :func:`measure`)."""
-    if d.mode is not Mode.AUTO:
-        return d.mode, f"{d.mode.value} mode"
+def costs_of(d: Rank, peer: Peer, src: int) -> PairCosts:
+    """What D measured with ``peer``'s epoch (:func:`~kvbridge.connector.choice.measure`
+    with P rank ``src``, once)."""
     with d.measuring:
         key = (peer.engine_id, peer.epoch)
-        if key not in d.directions:
-            d.directions[key] = measure(d, peer, src)
-        return d.directions[key].choice()
+        if key not in d.pair_costs:
+            d.pair_costs[key] = measure(d, peer, src)
+        return d.pair_costs[key]
+
+
+def direction(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[Mode, str]:
+    """Pull or push for ``job``, and why: the configured mode, or (AUTO) the request
+    priced both ways with the pair's measured costs (:func:`~kvbridge.connector.choice.choose`);
+    decided once per load (``job.direction``)."""
+    if job.direction is None:
+        if d.mode is not Mode.AUTO:
+            job.direction = d.mode, f"{d.mode.value} mode"
+        else:
+            costs = costs_of(d, peer, min(plan.runs.keys(), default=0))
+            staging = d.stager if d.staging else None
+            job.direction = choose(costs, plan.runs, staging)
+    return job.direction
+
+
+def link(d: Rank, peer: Peer, push: bool) -> Link | None:
+    """The pair's measured costs in that direction, where D measured them (AUTO)."""
+    with d.measuring:
+        costs = d.pair_costs.get((peer.engine_id, peer.epoch))
+    if costs is None:
+        return None
+    return costs.write if push else costs.read
+
+
+def learn(d: Rank, peer: Peer, push: bool, job: _Load, nbytes: int, seconds: float) -> None:
+    """A direct transfer of ``job`` timed: the pair's costs learn from it (AUTO), else
+    the stager's."""
+    with d.measuring:
+        key = (peer.engine_id, peer.epoch)
+        costs = d.pair_costs.get(key)
+        if costs is not None:
+            d.pair_costs[key] = costs.learned(push, job.posted, nbytes, seconds)
+            return
+    if d.stager is not None:
+        d.stager.costs.learn(job.posted, nbytes, seconds)
 
 
 def _serves_in(mode: Mode) -> Callable[[Rank, Peer, Plan, _Load], str]:
     def serves(d: Rank, peer: Peer, plan: Plan, job: _Load) -> str:
-        chosen, how = direction(d, peer, min(plan.runs.keys(), default=0))
+        chosen, how = direction(d, peer, plan, job)
         return f"{how}; no kernel mover: {job.no_kernel}" if chosen is mode else ""
 
     return serves
 
 
 def _pull_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
-    pull(d.transport, d.stager, d.staging, peer, plan, job, d.timeout_s, d.post_runs)
+    t0 = time.perf_counter()
+    stager = d.stager if d.staging else None
+    pull(d.transport, stager, peer, plan, job, (d.timeout_s, d.post_runs), link(d, peer, False))
+    if not job.staged_runs:
+        learn(d, peer, False, job, plan.nbytes, time.perf_counter() - t0)
 
 
 def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
@@ -327,7 +275,7 @@ def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     t0 = time.perf_counter()
     runs = plan.runs
     stager = d.stager if d.staging else None
-    staged = choose_push(stager, runs) if stager is not None else None
+    staged = choose_push(stager, runs, link(d, peer, True)) if stager is not None else None
     if staged is not None:
         job.slot = staged.slot
         runs = {src: r for src, r in runs.items() if src not in staged.ranks}
@@ -336,9 +284,7 @@ def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     want, job.posted = pusher.direct(runs)
     d.await_notifs(want, deadline)
     if stager is None or staged is None:
-        if stager is not None:
-            nbytes = sum(r.nbytes for r in runs.values())
-            stager.costs.learn(job.posted, nbytes, time.perf_counter() - t0)
+        learn(d, peer, True, job, sum(r.nbytes for r in runs.values()), time.perf_counter() - t0)
         return
     posted, job.staged_runs = push_staged(
         stager, pusher, staged, lambda w: d.await_notifs(w, deadline)

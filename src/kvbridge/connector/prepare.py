@@ -13,8 +13,9 @@ from typing import Protocol
 
 import numpy as np
 
+from kvbridge.connector.choice import PROBE_TIMEOUT_S, measure
 from kvbridge.connector.load import Mode
-from kvbridge.connector.movers import PROBE_TIMEOUT_S, Rank, measure
+from kvbridge.connector.movers import Rank
 from kvbridge.connector.peers import Peer, PeerCache, Target
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
 from kvbridge.errors import KVBridgeError, PeerError
@@ -50,7 +51,7 @@ def prepare(d: Preparing, target: Target) -> str:
             old, peer = peer, d.peers.get(Target(target.engine_id, target.endpoint, epoch))
             d.peers.done(old)
             with d.measuring:  # what was measured with the old epoch is no one's now
-                d.directions.pop((old.engine_id, old.epoch), None)
+                d.pair_costs.pop((old.engine_id, old.epoch), None)
             _hello(d, peer, target)
         over = d.kernel.geometry(peer)[0] if d.kernel is not None else None
         geometry = over.geometry if over is not None else peer.geometry
@@ -68,7 +69,7 @@ def _connect(d: Preparing, peer: Peer) -> None:
     """Each source rank's NIXL connections made ahead, into a staging slot (never a KV
     block): pull, one small READ; push and AUTO, the direction probe (a READ, and P's
     WRITE where it serves a push channel, else a READ alone; in :attr:`Mode.AUTO` its
-    result is the pair's, :func:`~kvbridge.connector.movers.direction`). The first rank
+    result is the pair's, :func:`~kvbridge.connector.choice.measure`). The first rank
     that does not answer ends it, logged: prepare still succeeds, at most one staging
     slot stays out of the pool (a READ may yet land in it), and the first load meets P as
     it would have. Nothing without a staging slot to land in, or once D closes."""
@@ -85,7 +86,7 @@ def _connect(d: Preparing, peer: Peer) -> None:
 
 def _probe(d: Preparing, peer: Peer, src: int) -> str:
     """The direction probe with P rank ``src`` (measured outside ``d.measuring``: loads
-    read the directions meanwhile) → why it failed ("": it did not)."""
+    read the pair costs meanwhile) → why it failed ("": it did not)."""
     found = measure(d, peer, src)
     if found.note.endswith("serves no push channel"):
         return _read(d, peer, src)
@@ -93,7 +94,7 @@ def _probe(d: Preparing, peer: Peer, src: int) -> str:
         return found.note
     if d.mode is Mode.AUTO:
         with d.measuring:
-            d.directions.setdefault((peer.engine_id, peer.epoch), found)
+            d.pair_costs.setdefault((peer.engine_id, peer.epoch), found)
     return ""
 
 

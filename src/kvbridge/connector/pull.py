@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 from kvbridge.connector.load import _Load
 from kvbridge.connector.peers import Peer
-from kvbridge.connector.staging import Stager
+from kvbridge.connector.staging import Link, Stager
 from kvbridge.errors import TransferTimeout
 from kvbridge.plan.plan import Plan
 from kvbridge.plan.runs import Runs
@@ -63,19 +63,19 @@ def read_runs(
 def pull(
     transport: Transport,
     stager: Stager | None,
-    staging: bool,
     peer: Peer,
     plan: Plan,
     job: _Load,
-    timeout_s: float,
-    post_runs: int,
+    limits: tuple[float, int],
+    link: Link | None = None,
 ) -> None:
-    """READ ``plan``'s runs within ``timeout_s``, staged where ``staging`` allows and the
-    cost model says so; READs still running when it fails are left in ``job.live`` (and
-    the staging slot they may land in in ``job.slot``)."""
+    """READ ``plan``'s runs within ``limits`` = (timeout, runs per posted READ), staged
+    through ``stager`` where given and the cost model says so (with the pair's measured
+    READ ``link``); READs still running when it fails are left in ``job.live`` (and the
+    staging slot they may land in in ``job.slot``)."""
+    timeout_s, post_runs = limits
     deadline = time.monotonic() + timeout_s
-    t0 = time.perf_counter()
-    staged, slot = stager.choose(plan.runs, peer.regions) if stager and staging else ({}, None)
+    staged, slot = stager.choose(plan.runs, peer.regions, link=link) if stager else ({}, None)
 
     def then() -> None:  # direct runs posted: pull the staged ones while they move
         job.lap("post")
@@ -93,6 +93,4 @@ def pull(
 
     direct = {src: r for src, r in plan.runs.items() if src not in staged}
     posted = read_runs(transport, peer.agents, direct, deadline, job.live, post_runs, then)
-    job.posted += posted
-    if stager is not None and not staged:
-        stager.costs.learn(job.posted, plan.nbytes, time.perf_counter() - t0)
+    job.posted += posted  # after the call: ``then`` adds the staged spans meanwhile

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvbridge.connector.load import _Load
 from kvbridge.connector.peers import Peer
-from kvbridge.connector.staging import Chunk, Stager
+from kvbridge.connector.staging import Chunk, Link, Stager
 from kvbridge.control.messages import Message, PushRefused, PushReply, PushRuns
 from kvbridge.errors import PeerError
 from kvbridge.plan.runs import Runs
@@ -95,10 +95,13 @@ class StagedPush:
     """P ranks whose runs go through the slot (the others are pushed direct)."""
 
 
-def choose_push(stager: Stager, runs: dict[int, Runs]) -> StagedPush | None:
+def choose_push(
+    stager: Stager, runs: dict[int, Runs], link: Link | None = None
+) -> StagedPush | None:
     """The P ranks whose runs the cost model stages (:meth:`Stager.choose` with
-    ``push``), and a slot; None: all direct (also when no slot frees up within 10 ms)."""
-    staged, slot = stager.choose(runs, push=True)
+    ``push``; ``link``: the pair's measured WRITE costs), and a slot; None: all direct
+    (also when no slot frees up within 10 ms)."""
+    staged, slot = stager.choose(runs, push=True, link=link)
     if slot is None:
         return None
     return StagedPush(slot, _rounds(staged, stager.pool.slot_bytes), frozenset(staged))

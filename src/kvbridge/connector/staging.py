@@ -11,6 +11,7 @@ import threading
 import time
 import timeit
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -40,26 +41,57 @@ TRANSFER_S_PER_B = 0.25e-9
 by run size and load); learned after: what a gap read into a staging span costs."""
 MAX_GAP = 64 << 10
 """Longest gap a staged span reads over, whatever the per-descriptor cost."""
-MIN_DESC_S, MAX_DESC_S = 1e-7, 1e-4
-MIN_BYTE_S, MAX_BYTE_S = 1e-11, 1e-8
-"""What one learned sample may say (100 GB/s to 100 MB/s per byte): one stalled or
-one lucky transfer moves the estimate, it cannot throw it out."""
+MIN_DESC_S, MAX_DESC_S = 1e-8, 1e-4
+MIN_BYTE_S, MAX_BYTE_S = 1e-12, 1e-7
+"""What one learned sample may say (10 ns to 100 µs a descriptor, 1 TB/s to 10 MB/s a
+byte): one stalled or one lucky transfer moves the estimate, it cannot throw it out."""
 ROUND_TRIP_S = 1e-4
 """Fixed cost of one more transfer round (post, wait) per staged chunk."""
+MIN_RUNS, MAX_AVG = 64, 16 << 10
+"""A source rank's runs may be staged only if this many or more, of at most this many
+bytes on average (fewer or longer: direct, without sorting them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One direction's costs, seconds: a round's fixed cost, one descriptor, one byte."""
+
+    round_s: float
+    desc_s: float
+    byte_s: float
+
+    def learned(self, descriptors: int, nbytes: int, seconds: float) -> Link:
+        """This link after a timed direct transfer: small runs (≤ 4 KiB on average, 256 or
+        more) tell the descriptor's cost, long ones (≥ 64 KiB on average, 8 MiB or more)
+        the byte's, each net of the other terms, as moving averages bounded per sample."""
+        if descriptors <= 0 or seconds <= 0:
+            return self
+        left = seconds - self.round_s
+        if descriptors >= 256 and nbytes <= descriptors * 4096:
+            per = min(max((left - nbytes * self.byte_s) / descriptors, MIN_DESC_S), MAX_DESC_S)
+            return replace(self, desc_s=0.8 * self.desc_s + 0.2 * per)
+        if nbytes >= 8 << 20 and nbytes >= descriptors * (64 << 10):
+            per = min(max((left - descriptors * self.desc_s) / nbytes, MIN_BYTE_S), MAX_BYTE_S)
+            return replace(self, byte_s=0.8 * self.byte_s + 0.2 * per)
+        return self
+
+    def __str__(self) -> str:
+        gbps = 1e-9 / self.byte_s if self.byte_s > 0 else float("inf")
+        desc = f"{self.desc_s * 1e6:.2f} µs/desc"
+        return f"{self.round_s * 1e6:.0f} µs/round, {desc}, {gbps:.2f} GB/s"
 
 
 class CostModel:
     """Direct: ``runs · c_desc``. Staged: ``spans · c_desc + rounds · round trip +
     gap bytes · c_byte + scatter(runs, bytes)``; the scatter's per-run and per-byte
-    costs are measured at start-up; ``c_desc`` (per descriptor) and ``c_byte`` (per
-    byte moved) are learned from the direct transfers the consumer times: small runs
-    tell ``c_desc``, long ones ``c_byte``."""
+    costs are measured at start-up; the transport's (:class:`Link`) are the pair's
+    measured ones where D measured them (:mod:`kvbridge.connector.choice`), else
+    ``link``, learned from the direct transfers the consumer times."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         """``device``: the copies run there as torch kernels (device memory), measured
         once (:func:`~kvbridge.connector.device_copies.copy_cost_probe`); else numpy's."""
-        self.c_desc = DESC_COST_S
-        self.c_byte = TRANSFER_S_PER_B
+        self.link = Link(ROUND_TRIP_S, DESC_COST_S, TRANSFER_S_PER_B)
         self.on_device = device is not None
         if device is not None:
             self.per_run, self.per_byte = copy_cost_probe(device)
@@ -71,6 +103,18 @@ class CostModel:
             self.per_byte_strided = _measure_strided()
         self._lock = threading.Lock()
 
+    @property
+    def c_desc(self) -> float:
+        return self.link.desc_s
+
+    @c_desc.setter
+    def c_desc(self, value: float) -> None:
+        self.link = replace(self.link, desc_s=value)
+
+    @property
+    def c_byte(self) -> float:
+        return self.link.byte_s
+
     def staged_wins(
         self,
         runs: int,
@@ -80,12 +124,15 @@ class CostModel:
         copies: int = 1,
         shape: CopyShape = (None, False),
         extra: int = 0,
+        link: Link | None = None,
     ) -> bool:
         """``copies``: local copies of every byte (a staged push: P's gather and D's
         scatter, 2); ``shape``: how they copy (:func:`copy_shape`); ``extra``: bytes the
-        spans move beyond the runs' (the gaps they read over)."""
-        direct = runs * self.c_desc
-        staged = spans * self.c_desc + rounds * ROUND_TRIP_S + max(extra, 0) * self.c_byte
+        spans move beyond the runs' (the gaps they read over); ``link``: the pair's
+        measured costs in the load's direction (None: :attr:`link`)."""
+        t = link or self.link
+        direct = runs * t.desc_s
+        staged = spans * t.desc_s + rounds * t.round_s + max(extra, 0) * t.byte_s
         views, whole = shape
         if views is not None:
             copy = views * VIEW_S + nbytes * self.per_byte_strided
@@ -102,24 +149,15 @@ class CostModel:
             return (None, False)
         return _shape([copy_shape(c, push) for c in chs])
 
-    def max_gap(self) -> int:
+    def max_gap(self, link: Link | None = None) -> int:
         """The gap whose bytes cost as much to move as one more descriptor."""
-        return min(int(self.c_desc / self.c_byte), MAX_GAP)
+        t = link or self.link
+        return min(int(t.desc_s / t.byte_s), MAX_GAP)
 
     def learn(self, descriptors: int, nbytes: int, seconds: float) -> None:
-        """A timed direct transfer: small runs (≤ 4 KiB on average, 256 or more) tell
-        what one descriptor costs, long ones (≥ 64 KiB on average, 8 MiB or more, so a
-        request's fixed costs weigh little) what one byte costs; each net of the other's
-        current estimate, moving averages. Anything between teaches nothing."""
-        if descriptors <= 0 or seconds <= 0:
-            return
+        """A timed direct transfer (:meth:`Link.learned`)."""
         with self._lock:
-            if descriptors >= 256 and nbytes <= descriptors * 4096:
-                per = (seconds - nbytes * self.c_byte) / descriptors
-                self.c_desc = 0.8 * self.c_desc + 0.2 * min(max(per, MIN_DESC_S), MAX_DESC_S)
-            elif nbytes >= 8 << 20 and nbytes >= descriptors * (64 << 10):
-                per = (seconds - descriptors * self.c_desc) / nbytes
-                self.c_byte = 0.8 * self.c_byte + 0.2 * min(max(per, MIN_BYTE_S), MAX_BYTE_S)
+            self.link = self.link.learned(descriptors, nbytes, seconds)
 
 
 def _measure_scatter(whole: bool) -> tuple[float, float]:
@@ -207,8 +245,24 @@ class Stager:
         on_device = kind is not MemKind.HOST
         self.costs = CostModel(torch_device(kind, device) if on_device else None)
 
+    @property
+    def slot_bytes(self) -> int:
+        return self.pool.slot_bytes
+
+    @property
+    def per_run(self) -> float:  # a local copy's, per run (what the choice prices)
+        return self.costs.per_run
+
+    @property
+    def per_byte(self) -> float:
+        return self.costs.per_byte
+
     def choose(
-        self, runs: dict[int, Runs], regions: dict[int, Regions] | None = None, push: bool = False
+        self,
+        runs: dict[int, Runs],
+        regions: dict[int, Regions] | None = None,
+        push: bool = False,
+        link: Link | None = None,
     ) -> tuple[dict[int, list[Chunk]], int | None]:
         """Source ranks whose runs go through staging, and the slot they will use;
         ``({}, None)``: all direct (also when no slot frees up within 10 ms).
@@ -216,31 +270,36 @@ class Stager:
         each source rank's registered regions, spans may then read over gaps of up to
         :meth:`CostModel.max_gap` bytes inside one region. ``push``
         (:mod:`kvbridge.connector.push`): chunks of a whole slot, each written as
-        one span, two copies (P's gather, D's scatter)."""
+        one span, two copies (P's gather, D's scatter). ``link``: the pair's measured
+        costs in that direction (:meth:`CostModel.staged_wins`)."""
         out = {}
         for src, r in runs.items():
-            if len(r) < 64 or r.nbytes > 16 * 1024 * len(r):
+            if len(r) < MIN_RUNS or r.nbytes > MAX_AVG * len(r):
                 continue  # few or long runs: direct, without sorting them
             try:
                 if push:
                     chs = chunks(r, self.pool.slot_bytes)
                 else:
-                    chs = self.chunks(r, (regions or {}).get(src))
+                    chs = self.chunks(r, (regions or {}).get(src), link)
             except TransportError:  # a run longer than the chunk
                 continue
             spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
             extra = 0 if push else sum(c.staged_bytes for c in chs) - r.nbytes  # gaps
             shape = self.costs.shape(chs, push)
             copies = 2 if push else 1
-            if self.costs.staged_wins(len(r), spans, r.nbytes, len(chs), copies, shape, extra):
+            if self.costs.staged_wins(
+                len(r), spans, r.nbytes, len(chs), copies, shape, extra, link
+            ):
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None
         return (out, slot) if slot is not None else ({}, None)
 
-    def chunks(self, runs: Runs, regions: Regions | None = None) -> list[Chunk]:
+    def chunks(
+        self, runs: Runs, regions: Regions | None = None, link: Link | None = None
+    ) -> list[Chunk]:
         """``runs`` in rounds for :meth:`pull`: each fits half a slot (the other half is
         being scattered meanwhile); spans read over gaps inside ``regions`` if given."""
-        gap = self.costs.max_gap() if regions is not None else 0
+        gap = self.costs.max_gap(link) if regions is not None else 0
         return chunks(runs, self.pool.slot_bytes // 2, gap, regions)
 
     def pull(
