@@ -1,6 +1,6 @@
-"""The work of ``kvbridge bench`` (its flags: ``kvbridge.cli.bench_cmd``, which imports
-this module once the checkout's ``benchmarks/`` is importable): run the benchmark, print
-its table or JSON, draw its figure."""
+"""The work of ``kvbridge bench`` (its flags: ``kvbridge.cli.bench_cmd``, which runs
+this module in a process of its own, in the checkout: ``python -m benchmarks.bench_cli
+WHAT [flags]``): run the benchmark, print its table or JSON, draw its figure."""
 
 from __future__ import annotations
 
@@ -82,3 +82,24 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))
     for r in rows:
         print("  ".join(str(r[k]).rjust(w) for k, w in zip(keys, widths, strict=True)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvbridge bench``'s flags (``argv``: what follows ``bench``), parsed by the same
+    parser; typed errors as the CLI prints them."""
+    from kvbridge.cli.main import build_parser
+    from kvbridge.errors import KVBridgeError
+
+    try:
+        args = build_parser().parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return run(args)
+    except KVBridgeError as e:
+        print(f"kvbridge: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

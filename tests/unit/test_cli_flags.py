@@ -87,14 +87,14 @@ PLAN_BASE = ["--model", "llama-3.1-8b", "--tokens", "100"]
 
 
 @pytest.mark.parametrize("case", BAD_FLAGS)
-def test_bad_flag_exits_2_naming_it(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_flag_exits_2_naming_it(case: str, capfd: pytest.CaptureFixture[str]) -> None:
     argv, needle = BAD_FLAGS[case]
     if argv[0] == "plan" and "--tokens" not in argv:
         argv = [*argv, *PLAN_BASE]
     elif argv[0] == "plan":
         argv = [*argv, "--model", "llama-3.1-8b"]
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert needle in err
     assert "Traceback" not in err
 

@@ -12,10 +12,10 @@ from refengine.demo_report import LATENCY_BOUND, Row, Summary, render_json, rend
 
 
 def test_bench_plan_quick_prints_progress_and_leaves_out_the_large_cases(
-    capsys: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["bench", "plan", "--quick", "--calls", "3", "--json"]) == 0
-    out = capsys.readouterr()
+    out = capfd.readouterr()
     rows = json.loads(out.out)
     assert len(rows) == 8 and {r["tokens"] for r in rows} == {1024}
     lines = out.err.splitlines()

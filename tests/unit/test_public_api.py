@@ -96,8 +96,8 @@ def test_the_adapter_imports_no_engine() -> None:
     assert out.stdout.strip() == "[]"
 
 
-LAZY = {"benchmarks": "kvbridge/cli/bench_cmd.py", "refengine": "kvbridge/cli/demo_cmd.py"}
-"""The two thin CLI entries, each importing its tooling inside a function, never at import
+LAZY = {"refengine": "kvbridge/cli/demo_cmd.py"}
+"""The thin CLI entry importing its tooling inside a function, never at import
 time. The installed packages (``kvbridge``, and ``refengine``, which ``kvbridge demo``
 runs) import no test or benchmark module at all."""
 

@@ -6,6 +6,7 @@ case goes to stderr; the table (or, with ``--json``, one JSON list) to stdout at
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,26 +56,32 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _checkout() -> None:
-    """Make the checkout's ``benchmarks/`` importable: benchmarks live beside the package in
-    the source tree and are not installed with it."""
-    root = Path(__file__).resolve().parents[3]
-    if not (root / "benchmarks" / "__init__.py").is_file():
-        raise ConfigError(
-            "kvbridge bench runs the benchmarks of a source checkout (benchmarks/ is not "
-            "installed with the package): clone the repository and `pip install -e .` there"
-        )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+def checkout() -> Path:
+    """The source checkout whose ``benchmarks/`` run (they are not installed with the
+    package): the working directory's, else the one this package is installed from in
+    place (``pip install -e``)."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        if (root / "benchmarks" / "bench_cli.py").is_file():
+            return root
+    raise ConfigError(
+        "kvbridge bench runs the benchmarks of a source checkout (benchmarks/ is not "
+        "installed with the package): run it in a clone of the repository"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Refuse a flag the benchmark has no use for, then run it (``benchmarks.bench_cli``)."""
+    """Refuse a flag the benchmark has no use for, then run the checkout's
+    ``benchmarks.bench_cli`` in a process of its own, in the checkout: this process
+    imports nothing from it."""
     if args.trace and args.what != "vllm":
         raise ConfigError(f"--trace: bench {args.what} has no trace mode; --trace works with vllm")
     if args.only is not None and args.what != "trace":
         raise ConfigError(f"--only: bench {args.what} has no case filter; --only works with trace")
-    _checkout()  # the flags first: their errors do not need a checkout
-    from benchmarks.bench_cli import run as bench
-
-    return bench(args)
+    root = checkout()  # the flags first: their errors do not need a checkout
+    argv = [args.what, *(["--json"] if args.json else []), *(["--quick"] if args.quick else [])]
+    for flag, value in (("--calls", args.calls), ("--only", args.only), ("--plot", args.plot)):
+        argv += [flag, str(value)] if value is not None else []
+    argv += ["--trace"] if args.trace else []
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_cli", *argv], cwd=root
+    ).returncode
