@@ -252,11 +252,16 @@ def test_the_staged_flag_needs_the_new_protocol(monkeypatch: pytest.MonkeyPatch)
 
 def test_p_gathers_only_runs_whose_destinations_join() -> None:
     n = np.full(32, 64, np.int64)
-    joined = spans(np.arange(32, dtype=np.int64)[::-1] * 64 + 4096, n, 1 << 20)
+    src = np.arange(32, dtype=np.int64) * 1000 + 7
+    joined = spans(np.arange(32, dtype=np.int64)[::-1] * 64 + 4096, src, n, 1 << 20)
     assert joined is not None and joined.span_len.tolist() == [2048]
-    assert joined.stage.tolist() == (np.arange(32)[::-1] * 64).tolist()
-    assert spans(np.arange(32, dtype=np.int64) * 128, n, 1 << 20) is None  # gaps: direct
-    assert spans(np.arange(32, dtype=np.int64) * 64, n, 1024) is None  # over a slot
+    assert joined.span_src.tolist() == [4096]  # D's destination
+    assert joined.run_dst.tolist() == src[::-1].tolist()  # P's sources, in D's order
+    assert joined.run_stage.tolist() == (np.arange(32) * 64).tolist()
+    assert spans(np.arange(32, dtype=np.int64) * 128, src, n, 1 << 20) is None  # gaps
+    assert spans(np.arange(32, dtype=np.int64) * 64, src, n, 1024) is None  # over a slot
+    overlapping = np.arange(32, dtype=np.int64) * 32
+    assert spans(overlapping, src, n, 1 << 20) is None
 
 
 def test_gather_refuses_a_source_outside_local_memory() -> None:

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbridge.connector.spans import Chunk, chunks
 from kvbridge.connector.staging import StagingPool, local_memory
 from kvbridge.control.messages import PushRuns
+from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
 
 KEPT = 65536
@@ -92,37 +94,19 @@ MIN_RUNS = 16
 """Fewer runs than this are written direct (nothing to gain)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Spans:
-    """Where each run goes in the slot, and the spans written from it."""
-
-    stage: np.ndarray
-    """Offset of each run (in the order given) in the slot."""
-    span_stage: np.ndarray
-    span_dst: np.ndarray
-    span_len: np.ndarray
-
-
-def spans(dst: np.ndarray, length: np.ndarray, slot_bytes: int) -> Spans | None:
-    """Runs whose destinations join into few contiguous spans (at most one per 4 runs)
-    and whose bytes fit a slot: their layout in the slot, runs of a span adjacent in
-    destination order. None: write direct."""
+def spans(dst: np.ndarray, src: np.ndarray, length: np.ndarray, slot_bytes: int) -> Chunk | None:
+    """Runs whose destinations join into few contiguous spans (at most one per 4 runs),
+    none overlapping, whose bytes fit a slot: the staged pull's packer
+    (:func:`~kvbridge.connector.spans.chunks`) keyed by destination, one round: the
+    chunk's spans are D's, its runs P's sources at their offsets in the slot. None:
+    write direct."""
     n = dst.shape[0]
     if n < MIN_RUNS or int(length.sum()) > slot_bytes:
         return None
-    order = np.argsort(dst, kind="stable")
-    d, ln = dst[order], length[order]
-    if (d[1:] < d[:-1] + ln[:-1]).any():
-        return None  # overlapping destinations: not a staged push's layout
-    new = np.concatenate(([True], d[1:] != d[:-1] + ln[:-1]))
-    if int(new.sum()) * 4 > n:
-        return None
-    packed = np.concatenate(([0], np.cumsum(ln)[:-1]))
-    stage = np.empty(n, np.int64)
-    stage[order] = packed
-    starts = np.flatnonzero(new)
-    span_len = np.diff(np.append(packed[starts], packed[-1] + ln[-1]))
-    return Spans(stage, packed[starts], d[starts], span_len)
+    (chunk,) = chunks(Runs(dst, src, length), slot_bytes)
+    if chunk.staged_bytes != int(length.sum()) or chunk.span_len.shape[0] * 4 > n:
+        return None  # overlapping destinations, or too many spans to gain
+    return chunk
 
 
 class PushGather:
@@ -150,19 +134,20 @@ class PushGather:
         reads from or None, descriptors posted)``. The caller gives the slot back with
         :meth:`release` once the WRITE ended."""
         s, d, ln = (a.view(np.int64) for a in (src, dst, n))
-        layout = spans(d, ln, self.pool.slot_bytes)
+        layout = spans(d, s, ln, self.pool.slot_bytes)
         slot = self.pool.take(0.0) if layout is not None else None
         if layout is None or slot is None:
             self.direct += 1
             return transport.write(peer, src, dst, n, notif), None, int(n.shape[0])
         try:
-            self.memory.gather(s, self.pool.view(slot), layout.stage, ln)
+            c = layout
+            self.memory.gather(c.run_dst, self.pool.view(slot), c.run_stage, c.run_len)
             base = np.int64(self.pool.region.addr + slot * self.pool.slot_bytes)
             handle = transport.write(
                 peer,
-                (layout.span_stage + base).view(np.uint64),
-                layout.span_dst.view(np.uint64),
-                layout.span_len.view(np.uint64),
+                (c.span_stage + base).view(np.uint64),
+                c.span_src.view(np.uint64),
+                c.span_len.view(np.uint64),
                 notif,
             )
         except BaseException:
