@@ -4,6 +4,8 @@ split turns one descriptor per token row into one per block."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -106,3 +108,54 @@ def test_stager_pulls_only_chunks_of_half_a_slot() -> None:
     with pytest.raises(TransportError, match="exceeds half"):
         stager.pull(agent, {0: "nobody"}, {0: too_big}, slot, 0.0, [])
     assert stager.pool.take(0.0) == slot
+
+
+def _trace(n: int, wait_first: bool, fail_at: str = "") -> tuple[list[str], list[int]]:
+    from kvbridge.connector.spans import rounds
+
+    events: list[str] = []
+    inflight: list[int] = []
+
+    def start(i: int, at: int) -> int:
+        events.append(f"start{i}@{at}")
+        return i
+
+    def wait(i: int) -> None:
+        events.append(f"wait{i}")
+        if fail_at == f"wait{i}":
+            raise TransportError("stalled")
+
+    def scatter(i: int, at: int) -> None:
+        events.append(f"scatter{i}@{at}")
+        if fail_at == f"scatter{i}":
+            raise TransportError("bad copy")
+
+    with contextlib.suppress(TransportError):
+        rounds(list(range(n)), 100, start, wait, scatter, inflight, wait_first)
+    return events, inflight
+
+
+def test_pulled_rounds_keep_two_reads_in_flight_in_alternate_halves() -> None:
+    events, inflight = _trace(3, wait_first=False)
+    assert events == [
+        "start0@0", "start1@100", "wait0", "scatter0@0",
+        "start2@0", "wait1", "scatter1@100", "wait2", "scatter2@0",
+    ]  # fmt: skip
+    assert inflight == []
+
+
+def test_pushed_rounds_start_the_next_once_the_last_landed_and_scatter_meanwhile() -> None:
+    events, _ = _trace(3, wait_first=True)
+    assert events == [
+        "start0@0", "wait0", "start1@100", "scatter0@0",
+        "wait1", "start2@0", "scatter1@100", "wait2", "scatter2@0",
+    ]  # fmt: skip
+    assert _trace(1, wait_first=True)[0] == ["start0@0", "wait0", "scatter0@0"]
+
+
+@pytest.mark.parametrize("wait_first", [False, True])
+def test_what_is_in_flight_when_a_round_fails_is_left_to_the_caller(wait_first: bool) -> None:
+    _, inflight = _trace(4, wait_first, fail_at="wait1")
+    assert inflight == ([1] if wait_first else [1, 2])  # the stalled one stays listed
+    _, inflight = _trace(4, wait_first, fail_at="scatter0")
+    assert inflight == [1]  # started before round 0 was copied out

@@ -136,6 +136,35 @@ def test_rounds_when_the_request_exceeds_a_slot() -> None:
         w.close()
 
 
+def test_a_copy_failing_mid_rounds_answers_the_call_in_flight() -> None:
+    """Several rounds; D0's first scatter fails while P writes its next round: that load
+    fails, the call in flight is answered (the P rank's channel is free again: the fence
+    and the next load go through it), and the next load is byte-exact."""
+    w = HeadSplit(staging_bytes=32 << 10)
+    try:
+        stager = w.consumers[0].stager
+        assert stager is not None
+        real, seen = stager.memory.scatter, []
+
+        def scatter(*args):  # type: ignore[no-untyped-def]
+            seen.append(1)
+            if len(seen) == 1:
+                raise TransportError("copy failed")
+            return real(*args)
+
+        stager.memory.scatter = scatter  # type: ignore[method-assign]
+        w.load("bad")
+        outs = w.wait(2)
+        assert sorted(o.ok for o in outs) == [False, True], outs
+        assert "copy failed" in next(o.error for o in outs if not o.ok)
+        before, d_tabs = w.load("good")
+        outs = w.wait(2)
+        assert all(o.ok and o.staged_runs > 300 for o in outs), outs
+        check_bytes(w, before, N, 0, d_tabs)
+    finally:
+        w.close()
+
+
 def test_a_staged_loads_nonce_is_retired_after_its_last_round() -> None:
     """Each D rank's rounds carry one nonce, ``last`` only on its final round; replaying
     that round (or an earlier one) once the load ended is refused as a retired nonce."""

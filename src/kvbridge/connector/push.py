@@ -5,6 +5,7 @@ load keeps the slot until the fence (:mod:`kvbridge.connector.fence`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from kvbridge.connector.load import _Load
 from kvbridge.connector.peers import Peer
+from kvbridge.connector.spans import rounds
 from kvbridge.connector.staging import Chunk, Link, Stager
 from kvbridge.control.messages import Message, PushRefused, PushReply, PushRuns
 from kvbridge.errors import PeerError
@@ -42,10 +44,11 @@ class Pusher:
         notif: bytes,
         part: tuple[int, bool] = (0, True),
         staged: bool = False,
-    ) -> int:
+    ) -> Callable[[], int]:
         """Ask P rank ``src`` to write ``runs`` (its sources, D's destinations, lengths)
-        as message ``part`` = (number, the last to that rank) of the load; the
-        descriptors it posted."""
+        as message ``part`` = (number, the last to that rank) of the load; returns what
+        takes P's answer, the descriptors it posted (call it once: the rank's channel
+        waits for it)."""
         s, d, n = (a.astype("<u8").tobytes() for a in runs)
         job, (engine, epoch, _, _) = self.job, self.who
         msg = PushRuns(
@@ -55,7 +58,8 @@ class Pusher:
         )  # fmt: skip
         client = self.peer.rank_client(src)  # a rank without a push channel: nothing sent
         job.pushed.append(src)
-        return reply_runs(client.call(msg), "staged push" if staged else "push")
+        reply = client.send(msg)
+        return lambda: reply_runs(reply(), "staged push" if staged else "push")
 
     def direct(self, runs: dict[int, Runs]) -> tuple[set[bytes], int]:
         """Send each source rank its runs (one message, the last of the load to that
@@ -64,7 +68,7 @@ class Pusher:
         total = 0
         for src, r in runs.items():
             notif = self.notif(src).encode()
-            total += self.ask(src, r.as_uint64(), notif)
+            total += self.ask(src, r.as_uint64(), notif)()
             want.add(notif)
         return want, total
 
@@ -104,18 +108,18 @@ def choose_push(
     staged, slot = stager.choose(runs, push=True, link=link)
     if slot is None:
         return None
-    return StagedPush(slot, _rounds(staged, stager.pool.slot_bytes), frozenset(staged))
+    return StagedPush(slot, _rounds(staged, stager.pool.slot_bytes // 2), frozenset(staged))
 
 
-def _rounds(staged: dict[int, list[Chunk]], slot_bytes: int) -> list[list[Part]]:
-    """Chunks packed into rounds of at most ``slot_bytes`` (their spans laid end to end)."""
+def _rounds(staged: dict[int, list[Chunk]], half: int) -> list[list[Part]]:
+    """Chunks packed into rounds of at most ``half`` a slot (their spans end to end)."""
     out: list[list[Part]] = []
     cur: list[Part] = []
     used = 0
     for src, chs in staged.items():
         for ch in chs:
-            size = int(ch.span_len.sum())
-            if cur and used + size > slot_bytes:
+            size = ch.staged_bytes
+            if cur and used + size > half:
                 out.append(cur)
                 cur, used = [], 0
             cur.append(Part(src, ch, used))
@@ -125,31 +129,57 @@ def _rounds(staged: dict[int, list[Chunk]], slot_bytes: int) -> list[list[Part]]
     return out
 
 
+Asked = tuple[list[Callable[[], int]], set[bytes]]
+"""A staged round's calls to P ranks (each taking one's answer) and its notifications."""
+
+
 def push_staged(
     stager: Stager, pusher: Pusher, plan: StagedPush, await_notifs: Callable[[set[bytes]], None]
 ) -> tuple[int, int]:
-    """Per round, ask each P rank, wait for all notifications (``await_notifs`` raises at
-    the deadline), scatter the slot into D's blocks: ``(descriptors P posted, runs
-    moved)``. The slot is the caller's to give back (now, or after the fence)."""
+    """Rounds through the slot's halves (:func:`~kvbridge.connector.spans.rounds`): ask
+    each P rank for round ``k`` once round ``k - 1`` landed (every answer and
+    notification; ``await_notifs`` raises at the deadline), then scatter round ``k - 1``
+    while P writes round ``k``: ``(descriptors P posted, runs moved)``. The slot is the
+    caller's to give back (now, or after the fence); calls not yet answered when this
+    raises are answered first (the ranks' channels wait for them)."""
     base = stager.pool.region.addr + plan.slot * stager.pool.slot_bytes
     view = stager.pool.view(plan.slot)
-    posted = moved = 0
-    for k, parts in enumerate(plan.rounds):
-        want = set()
+    number = {id(parts): k for k, parts in enumerate(plan.rounds)}
+    counts = [0, 0]
+
+    def start(parts: list[Part], at: int) -> Asked:
+        k, calls, want = number[id(parts)], [], set()
         for src in sorted({p.src for p in parts}):
             mine = [p for p in parts if p.src == src]
             runs = (
                 np.concatenate([p.chunk.span_src for p in mine]),
-                np.concatenate([p.chunk.span_stage + (base + p.offset) for p in mine]),
+                np.concatenate([p.chunk.span_stage + (base + at + p.offset) for p in mine]),
                 np.concatenate([p.chunk.span_len for p in mine]),
             )
             notif = f"{pusher.notif(src)}:s{k}".encode()
             last = not any(p.src == src for later in plan.rounds[k + 1 :] for p in later)
-            posted += pusher.ask(src, runs, notif, (k, last), staged=True)
+            calls.append(pusher.ask(src, runs, notif, (k, last), staged=True))
             want.add(notif)
+        return calls, want
+
+    def wait(asked: Asked) -> None:
+        calls, want = asked
+        while calls:
+            counts[0] += calls.pop(0)()
         await_notifs(want)
-        for p in parts:  # every write of the round landed: scatter it
+
+    def scatter(parts: list[Part], at: int) -> None:
+        for p in parts:  # every write of the round landed
             c = p.chunk
-            stager.memory.scatter(c.run_dst, view, c.run_stage + p.offset, c.run_len)
-            moved += c.run_len.shape[0]
-    return posted, moved
+            stager.memory.scatter(c.run_dst, view, c.run_stage + at + p.offset, c.run_len)
+            counts[1] += c.run_len.shape[0]
+
+    inflight: list[Asked] = []
+    try:
+        rounds(plan.rounds, stager.pool.slot_bytes // 2, start, wait, scatter, inflight, True)
+    finally:
+        for calls, _ in inflight:
+            for call in calls:
+                with contextlib.suppress(Exception):
+                    call()
+    return counts[0], counts[1]

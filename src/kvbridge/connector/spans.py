@@ -1,13 +1,16 @@
 """Staged rounds: runs sorted by source, joined into the spans one READ (or WRITE) moves
-into a staging slot, and cut into rounds that fit the slot. Runs whose sources touch or
-overlap join; with ``max_gap`` runs up to that many bytes apart in one source region join
-too, the span reading over the gap (``docs/performance.md``, staged pulls).
+into a staging slot, and cut into rounds that fit the slot (:func:`chunks`; P's gather
+for a staged push uses it keyed by destination). Runs whose sources touch or overlap
+join; with ``max_gap`` runs up to that many bytes apart in one source region join too,
+the span reading over the gap (``docs/performance.md``, staged pulls). :func:`rounds`
+runs them through the two halves of a slot, pulled or pushed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -97,3 +100,42 @@ def _chunk(s: np.ndarray, d: np.ndarray, ln: np.ndarray, join: np.ndarray) -> Ch
     span_len = np.append(end[starts[1:] - 1], end[-1]) - span_src
     stage = np.concatenate(([0], np.cumsum(span_len)[:-1]))
     return Chunk(span_src, stage, span_len, d, stage[span_id] + (s - span_src[span_id]), ln)
+
+
+T = TypeVar("T")
+W = TypeVar("W")
+
+
+def rounds(
+    items: Sequence[T],
+    half: int,
+    start: Callable[[T, int], W],
+    wait: Callable[[W], None],
+    scatter: Callable[[T, int], None],
+    inflight: list[W],
+    wait_first: bool = False,
+) -> None:
+    """Staged rounds through a slot's two halves, pulled and pushed alike: round ``i``
+    moves into the half at offset ``(i % 2) * half`` (``start``) while round ``i - 1``,
+    once ``wait`` says it landed, is copied out of the other (``scatter``).
+    ``wait_first``: round ``i - 1`` is waited for before round ``i`` starts (a start
+    that cannot begin while the last is unanswered: a push's call to each P rank), else
+    after (two READs in flight). ``inflight``: what was started and not yet waited for,
+    oldest first (the caller's to fence, or answer, when this raises)."""
+    prev: tuple[T, int] | None = None
+    for i, item in enumerate(items):
+        off = (i % 2) * half
+        if prev is not None and wait_first:
+            wait(inflight[0])
+            inflight.pop(0)
+        inflight.append(start(item, off))
+        if prev is not None:
+            if not wait_first:
+                wait(inflight[0])
+                inflight.pop(0)
+            scatter(*prev)
+        prev = (item, off)
+    if prev is not None:
+        wait(inflight[0])
+        inflight.pop(0)
+        scatter(*prev)

@@ -27,7 +27,7 @@ from kvbridge.connector.copies import (
 )
 from kvbridge.connector.device_copies import copy_cost_probe
 from kvbridge.connector.device_memory import DeviceMemory
-from kvbridge.connector.spans import Chunk, Regions, chunks
+from kvbridge.connector.spans import Chunk, Regions, chunks, rounds
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
 from kvbridge.plan.runs import Runs
@@ -266,11 +266,11 @@ class Stager:
     ) -> tuple[dict[int, list[Chunk]], int | None]:
         """Source ranks whose runs go through staging, and the slot they will use;
         ``({}, None)``: all direct (also when no slot frees up within 10 ms).
-        Pull (:meth:`pull`): chunks of half a slot, one copy (D's scatter); ``regions``:
-        each source rank's registered regions, spans may then read over gaps of up to
-        :meth:`CostModel.max_gap` bytes inside one region. ``push``
-        (:mod:`kvbridge.connector.push`): chunks of a whole slot, each written as
-        one span, two copies (P's gather, D's scatter). ``link``: the pair's measured
+        Chunks of half a slot (the other half is scattered meanwhile). Pull
+        (:meth:`pull`): one copy (D's scatter); ``regions``: each source rank's registered
+        regions, spans may then read over gaps of up to :meth:`CostModel.max_gap` bytes
+        inside one region. ``push`` (:mod:`kvbridge.connector.push`): each chunk
+        written as one span, two copies (P's gather, D's scatter). ``link``: the pair's measured
         costs in that direction (:meth:`CostModel.staged_wins`)."""
         out = {}
         for src, r in runs.items():
@@ -278,7 +278,7 @@ class Stager:
                 continue  # few or long runs: direct, without sorting them
             try:
                 if push:
-                    chs = chunks(r, self.pool.slot_bytes)
+                    chs = chunks(r, self.pool.slot_bytes // 2)
                 else:
                     chs = self.chunks(r, (regions or {}).get(src), link)
             except TransportError:  # a run longer than the chunk
@@ -322,29 +322,26 @@ class Stager:
         if any(ch.staged_bytes > half for _, ch in todo):
             self.pool.give_back(slot, True)
             raise TransportError(f"a staged chunk exceeds half the {half * 2} B slot")
-        pending: list[tuple[XferHandle, Chunk, int]] = []
+        inflight: list[XferHandle] = []
         counts = [0, 0]
 
-        def land() -> None:  # wait for the oldest READ, then scatter its chunk
-            h, ch, at = pending[0]
-            transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0))
-            pending.pop(0)
+        def scatter(item: tuple[int, Chunk], at: int) -> None:
+            ch = item[1]
             self.memory.scatter(ch.run_dst, self.pool.view(slot)[at:], ch.run_stage, ch.run_len)
             counts[0] += ch.span_len.shape[0]
             counts[1] += ch.run_len.shape[0]
 
         clean = False
         try:
-            for i, (src, ch) in enumerate(todo):
-                off = (i % 2) * half
-                pending.append((_read(transport, agents[src], ch, base + off), ch, off))
-                if len(pending) == 2:
-                    land()
-            while pending:
-                land()
+            rounds(
+                todo, half,
+                lambda item, at: _read(transport, agents[item[0]], item[1], base + at),
+                lambda h: transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0)),
+                scatter, inflight,
+            )  # fmt: skip
             clean = True
         finally:
-            still = [h for h, _, _ in pending if not transport.ended(h)]
+            still = [h for h in inflight if not transport.ended(h)]
             live += still
             if clean or not still:
                 self.pool.give_back(slot, True)
