@@ -138,8 +138,9 @@ def test_rounds_when_the_request_exceeds_a_slot() -> None:
 
 def test_a_copy_failing_mid_rounds_answers_the_call_in_flight() -> None:
     """Several rounds; D0's first scatter fails while P writes its next round: that load
-    fails, the call in flight is answered (the P rank's channel is free again: the fence
-    and the next load go through it), and the next load is byte-exact."""
+    fails (and D1's, if P already fenced the request), the call in flight is answered
+    (the P rank's channel is free again: the fence and the next load go through it), and
+    the next load is byte-exact."""
     w = HeadSplit(staging_bytes=32 << 10)
     try:
         stager = w.consumers[0].stager
@@ -155,8 +156,8 @@ def test_a_copy_failing_mid_rounds_answers_the_call_in_flight() -> None:
         stager.memory.scatter = scatter  # type: ignore[method-assign]
         w.load("bad")
         outs = w.wait(2)
-        assert sorted(o.ok for o in outs) == [False, True], outs
-        assert "copy failed" in next(o.error for o in outs if not o.ok)
+        assert any(not o.ok and "copy failed" in o.error for o in outs), outs  # D0
+        assert all(o.ok or "copy failed" in o.error or "fenced" in o.error for o in outs), outs
         before, d_tabs = w.load("good")
         outs = w.wait(2)
         assert all(o.ok and o.staged_runs > 300 for o in outs), outs
