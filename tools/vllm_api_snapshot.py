@@ -6,9 +6,10 @@ every snapshot in ``tests/data/vllm_api/``; docs/vllm.md, "vLLM versions").
     .venv/bin/python tools/vllm_api_snapshot.py /tmp/vllm033/vllm-0.33.0-*.whl
 
 Writes ``tests/data/vllm_api/vllm-<version>.json`` (``--out`` to choose): the connector
-bases' methods (:func:`tests.support.vllm_api.ast_class`), how the factory builds a
-connector, the ``Request`` fields of the last-token rule and NixlConnector's edits of them
-(:mod:`tests.support.vllm_request`). Python source only: nothing of the wheel is imported.
+bases' methods (:func:`tests.support.vllm_api.ast_class`), the names of the classes whose
+objects it reads, how the factory builds a connector, the ``Request`` fields of the
+last-token rule and NixlConnector's edits of them (:mod:`tests.support.vllm_request`).
+Python source only: nothing of the wheel is imported.
 """
 
 from __future__ import annotations
@@ -23,17 +24,28 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tests.support.vllm_api import ast_class, factory_call, to_json
+from tests.support.vllm_api import ast_class, factory_call, names, to_json
 from tests.support.vllm_request import edits, request_facts
 
 KV = "vllm/distributed/kv_transfer/kv_connector"
 CLASSES = {
     "KVConnectorBase_V1": f"{KV}/v1/base.py",
     "SupportsHMA": f"{KV}/v1/base.py",
+    "KVConnectorMetadata": f"{KV}/v1/base.py",
+    "KVConnectorHandshakeMetadata": f"{KV}/v1/base.py",
     "KVConnectorStats": f"{KV}/v1/metrics.py",
     "KVConnectorPromMetrics": f"{KV}/v1/metrics.py",
 }
 """The classes the connector's classes derive from, and the file of each in a wheel."""
+NAMES = {
+    "Request": "vllm/v1/request.py",
+    "RequestStatus": "vllm/v1/request.py",
+    "KVCacheBlocks": "vllm/v1/core/kv_cache_manager.py",
+    "SchedulerOutput": "vllm/v1/core/sched/output.py",
+    "KVCacheConfig": "vllm/v1/kv_cache_interface.py",
+    "KVConnectorTransferResults": f"{KV}/v1/base.py",
+}
+"""Classes whose objects the connector reads or builds: only their names are kept."""
 FACTORY = f"{KV}/factory.py"
 REQUEST = "vllm/v1/request.py"
 NIXL_SCHEDULER = f"{KV}/v1/nixl/base_scheduler.py"
@@ -56,6 +68,7 @@ def snapshot(path: Path) -> dict[str, Any]:
             "vllm": version(wheel),
             "made_by": f"tools/vllm_api_snapshot.py {path.name}",
             "classes": {name: to_json(ast_class(text(f), name)) for name, f in CLASSES.items()},
+            "names": {name: names(ast_class(text(f), name)) for name, f in NAMES.items()},
             "factory": vars(factory_call(text(FACTORY))),
             "request": request_facts(text(REQUEST)),
             "nixl_edits": edits(text(NIXL_SCHEDULER)),

@@ -284,6 +284,11 @@ def to_json(api: ClassApi) -> dict[str, Any]:
     }
 
 
+def names(api: ClassApi) -> list[str]:
+    """What an object of the class has: its methods and attributes, sorted."""
+    return sorted(set(api.methods) | api.attrs)
+
+
 def from_json(name: str, d: dict[str, Any]) -> ClassApi:
     methods = {n: parse_method(n, text) for n, text in d["methods"].items()}
     return ClassApi(name, methods, frozenset(d["attrs"]), frozenset(d["uses"]))

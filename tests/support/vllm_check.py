@@ -37,16 +37,22 @@ class _Shape:
 
 
 def _same_param(where: str, base: Param, over: Param) -> list[str]:
+    """``over`` where calls pass ``base``: by position only (any name will do), or by
+    name too (the same name, not positional-only)."""
     out = []
-    if over.name != base.name:
+    if base.kind != "POSITIONAL_ONLY" and over.name != base.name:
         out.append(f"{where} is named '{over.name}', vLLM's '{base.name}'")
-    if over.kind != base.kind:
+    if over.kind == "POSITIONAL_ONLY" and base.kind != "POSITIONAL_ONLY":
         out.append(f"{where} '{over.name}' is {over.kind}, vLLM's is {base.kind}")
+    return out + _same_default(where, base, over)
+
+
+def _same_default(where: str, base: Param, over: Param) -> list[str]:
     if base.default is not None and over.default is None:
-        out.append(f"{where} '{over.name}' has no default, vLLM's has {base.default}")
-    elif {base.default, over.default}.isdisjoint({EXPR, None}) and base.default != over.default:
-        out.append(f"{where} '{over.name}' defaults to {over.default}, vLLM's {base.default}")
-    return out
+        return [f"{where} '{over.name}' has no default, vLLM's has {base.default}"]
+    if {base.default, over.default}.isdisjoint({EXPR, None}) and base.default != over.default:
+        return [f"{where} '{over.name}' defaults to {over.default}, vLLM's {base.default}"]
+    return []
 
 
 def check_override(base: Method, over: Method) -> list[str]:
@@ -63,13 +69,14 @@ def check_override(base: Method, over: Method) -> list[str]:
             out += _same_param(f"parameter {i}", bp, o.positional[i])
         elif not (o.var_positional and (o.var_keyword or bp.kind == "POSITIONAL_ONLY")):
             out.append(f"lacks parameter {i} '{bp.name}'")
+    extra = {p.name: p for p in o.positional[len(b.positional) :] if p.kind in NAMED}
     for p in o.positional[len(b.positional) :]:
-        if p.default is None:
+        if p.default is None and p.name not in b.keyword_only:
             out.append(f"adds parameter '{p.name}' without a default")
     for name, bp in b.keyword_only.items():
-        op = o.keyword_only.get(name)
+        op = o.keyword_only.get(name, extra.get(name))
         if op is not None:
-            out += _same_param("keyword", bp, op)
+            out += _same_default("keyword", bp, op)
         elif not o.var_keyword:
             out.append(f"lacks keyword-only parameter '{name}'")
     out += [

