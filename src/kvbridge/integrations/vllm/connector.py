@@ -106,7 +106,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recved, failed = self._w().results()
-        return KVConnectorTransferResults(sent, recved, failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=recved, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, recved, _ = self._w().results()

@@ -52,8 +52,14 @@ class KVBridgeStats(KVConnectorStats):
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter or histogram per metric of the adapter's table."""
 
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine: Any):
-        super().__init__(vllm_config, metric_types, labelnames, per_engine)
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: Any,
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.table = metrics()
         self.prom: dict[str, Any] = {}
         for m in self.table:
