@@ -51,7 +51,13 @@ from tests.support.vllm_api import (
     names,
     parse_method,
 )
-from tests.support.vllm_check import check_class, check_construct, check_override, differences
+from tests.support.vllm_check import (
+    AHEAD,
+    check_class,
+    check_construct,
+    check_override,
+    differences,
+)
 
 DATA = Path(__file__).parents[1] / "data" / "vllm_api"
 SNAPSHOTS = sorted(DATA.glob("vllm-*.json"))
@@ -100,6 +106,22 @@ def test_our_classes_fit_the_installed_vllm() -> None:
     for impl, bases in PAIRS:
         problems += check_class(live_impl(impl), [live_class(b) for b in bases])
     assert problems == []
+
+
+def test_hooks_defined_ahead_are_the_newest_snapshots() -> None:
+    """What the check lets an older base lack exists in the newest snapshot's base (and
+    fits it: ``test_our_classes_fit_a_snapshot``), and in no installed base."""
+    newest = snapshot(SNAPSHOTS[-1])["classes"]["KVConnectorBase_V1"]["methods"]
+    assert set(newest) >= AHEAD
+    assert not AHEAD & set(live_class(KVConnectorBase_V1).methods)
+    assert set(live_class(KVBridgeConnector).methods) >= AHEAD
+
+
+def test_no_sleep_mode() -> None:
+    """vLLM 0.33 asks before sleep mode frees the KV memory: kvbridge's registrations
+    and mapped memory would point at memory given back, so it says no."""
+    cfg = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_both")
+    assert KVBridgeConnector.supports_sleep_mode(cfg) is False
 
 
 def test_the_constructor_fits_the_installed_factory() -> None:

@@ -121,6 +121,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return KVBridgeStats(data={"loads": loads, "events": events}) if loads or events else None
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+ (0.32 never asks): no sleep mode. Sleeping gives the KV memory back
+        while NIXL registrations and P's mapped memory still point at it."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=dict(data) if data else {})
 
