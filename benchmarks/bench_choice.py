@@ -1,4 +1,4 @@
-"""What the per-request choice (:func:`kvbridge.connector.choice.choose`) costs and what it
+"""What the per-request choice (:func:`kvbridge.connector.movers.choice.choose`) costs and what it
 picks, for gpu-check's cases: each request planned once (shuffled block ids), then the
 choice timed on its runs (µs, best median), under three measured pairs: host memory on
 this VM, GPU memory between two processes without RDMA (READ over TCP), and RDMA across
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.plan_bench import best_median_us
-from kvbridge.connector.choice import PairCosts, choose, price
-from kvbridge.connector.staging import Link
+from kvbridge.connector.movers.choice import PairCosts, choose, price
+from kvbridge.connector.movers.staging import Link
 from kvbridge.layout.side import SideConfig
 from kvbridge.plan.dry_run import _bound, _tables, pool_size
 from kvbridge.plan.geometry import Geometry, Side

@@ -9,7 +9,7 @@ Per run size and progression length: ``--mib`` MiB of runs read from every other
 a source buffer (a D rank's half of NHD token rows, as a staged 1→2 pull reads them) and
 written as progressions of that many rows into shuffled blocks of a larger destination.
 Median milliseconds of ``--repeat`` copies after one warm-up; the memcpy of the same
-bytes for scale. The constants of :mod:`kvbridge.connector.copies` come from this table.
+bytes for scale. The constants of :mod:`kvbridge.connector.movers.copies` come from this table.
 
 Then one staged round of a per-layer NHD layout (64 regions, 9 blocks of 16 rows of
 1 KiB in each, at random block ids): :meth:`LocalMemory.scatter` (one copy call for all
@@ -26,7 +26,7 @@ from unittest import mock
 
 import numpy as np
 
-from kvbridge.connector import copies
+from kvbridge.connector.movers import copies
 from kvbridge.transport.base import Region
 
 

@@ -1,4 +1,4 @@
-"""Time :func:`kvbridge.connector.device_copies.rows_copy` against one torch
+"""Time :func:`kvbridge.connector.movers.device_copies.rows_copy` against one torch
 ``index_select`` + ``index_copy_`` of whole rows and a contiguous copy of the same bytes.
 
 Usage::
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.connector import device_copies, triton_copy
-from kvbridge.connector.device_copies import rows_copy
+from kvbridge.connector.movers import device_copies, triton_copy
+from kvbridge.connector.movers.device_copies import rows_copy
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,9 @@ import torch
 
 from benchmarks.plan_bench import best_median_us, bound_all
 from benchmarks.shapes import llama
-from kvbridge.connector import device_copies, device_memory
-from kvbridge.connector.device_memory import Span, equal_runs
-from kvbridge.connector.kernel_mover import copy_groups
+from kvbridge.connector.movers import device_copies, device_memory
+from kvbridge.connector.movers.device_memory import Span, equal_runs
+from kvbridge.connector.movers.kernel import copy_groups
 from kvbridge.layout.tensor import Region
 from kvbridge.plan import Geometry, Side
 from kvbridge.plan.pattern import Bound

@@ -40,7 +40,7 @@ def host_path(
     from benchmarks.bench_kernel_host import spans_of
     from benchmarks.plan_bench import bound_all
     from benchmarks.shapes import llama
-    from kvbridge.connector.kernel_mover import copy_groups
+    from kvbridge.connector.movers.kernel import copy_groups
     from kvbridge.plan import Bound, Geometry, Side
     from kvbridge.plan.runs import Runs
     from kvbridge.spec import Parallel

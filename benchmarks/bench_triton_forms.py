@@ -1,5 +1,5 @@
 """The fused copy kernel's two forms side by side: the length at run time (generic) and
-the length compiled in (fixed, :mod:`kvbridge.connector.triton_copy`), on the shapes of
+the length compiled in (fixed, :mod:`kvbridge.connector.movers.triton_copy`), on the shapes of
 :mod:`benchmarks.bench_device_copies`, with a contiguous copy of the same bytes.
 
 Usage::
@@ -41,7 +41,7 @@ def _gpu_ms(f: Callable[[], object], repeat: int) -> float:
 
 
 def line(shape: Shape, runs: int, dev: torch.device, repeat: int) -> str:
-    from kvbridge.connector import triton_copy, triton_kernels
+    from kvbridge.connector.movers import triton_copy, triton_kernels
 
     runs = -(-runs // shape.group) * shape.group  # whole groups: every row in the buffers
     gen = torch.Generator().manual_seed(shape.size + runs)

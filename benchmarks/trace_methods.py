@@ -4,7 +4,7 @@ init      kvbridge's plan, one ``initialize_xfer`` per 16,384 runs (the consumer
 prep      kvbridge's plan, both lists ``prep_xfer_dlist``-ed per request, then
           ``make_prepped_xfer`` over all of them
 strided   as prep, each side's runs compressed to NIXL's strided rows (Nx5) first
-staged    kvbridge's plan through :class:`~kvbridge.connector.staging.Stager`: long
+staged    kvbridge's plan through :class:`~kvbridge.connector.movers.staging.Stager`: long
           source spans into a staging slot, then a local scatter
 vllm      the vLLM-like read path (:mod:`benchmarks.trace_vllm`)
 contig    one READ of the same byte count between contiguous scratch buffers
@@ -22,9 +22,9 @@ from benchmarks.nixl_prepped import prep as prep_list
 from benchmarks.nixl_prepped import read_prepped
 from benchmarks.trace_alloc import TraceRequest
 from benchmarks.trace_vllm import VllmLike
-from kvbridge.connector.pull import read_runs
-from kvbridge.connector.spans import Regions
-from kvbridge.connector.staging import Chunk, Stager
+from kvbridge.connector.movers.pull import read_runs
+from kvbridge.connector.movers.spans import Regions
+from kvbridge.connector.movers.staging import Chunk, Stager
 from kvbridge.errors import TransportError
 from kvbridge.plan import Geometry, Plan, Runs
 from kvbridge.transport.base import XferHandle

@@ -22,8 +22,8 @@ from benchmarks import trace_pattern as pat
 from benchmarks.trace_alloc import TraceRequest, simulate
 from benchmarks.trace_methods import METHODS, DSide, contiguous
 from benchmarks.trace_vllm import VllmLike
-from kvbridge.connector.spans import regions_of
-from kvbridge.connector.staging import Stager
+from kvbridge.connector.movers.spans import regions_of
+from kvbridge.connector.movers.staging import Stager
 from kvbridge.errors import PlanError
 from kvbridge.layout import RankLayout
 from kvbridge.plan import Bound, Geometry, Side

@@ -3,7 +3,7 @@
 Per case a P process (one rank) and a D process (D rank 0 of the case's D TP) start,
 register a Llama-3.1-8B-shaped cache plus one contiguous scratch buffer each, and D
 times: planning, posting (the same descriptors with 8-byte runs, one raw request: NIXL's
-per-descriptor cost), the full READ of the plan (:func:`~kvbridge.connector.pull.read_runs`,
+per-descriptor cost), the full READ of the plan (:func:`~kvbridge.connector.movers.pull.read_runs`,
 as the consumer posts it), one raw contiguous READ of the same byte count, and a memcpy
 of it. Figures are medians of ``repeats`` runs.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.shapes import llama
-from kvbridge.connector.pull import read_runs
+from kvbridge.connector.movers.pull import read_runs
 from kvbridge.layout import build_layout
 from kvbridge.plan import Bound, Geometry, Side
 from kvbridge.spec import Parallel

@@ -1,4 +1,4 @@
-"""What the fused copy kernels (:mod:`kvbridge.connector.triton_copy`) did in this
+"""What the fused copy kernels (:mod:`kvbridge.connector.movers.triton_copy`) did in this
 process, and a wait for the fixed-length forms being compiled: read by gpu-check's
 facts and the kernels' tests, never on a load's path."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvbridge.connector import triton_copy
+from kvbridge.connector.movers import triton_copy
 
 
 def kernel_facts() -> dict[str, Any]:

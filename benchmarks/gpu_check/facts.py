@@ -30,7 +30,7 @@ class _Keep(logging.Handler):
         _WARNINGS[:] = [*_WARNINGS[-4:], record.getMessage()]
 
 
-logging.getLogger("kvbridge.connector.triton_copy").addHandler(_Keep(logging.WARNING))
+logging.getLogger("kvbridge.connector.movers.triton_copy").addHandler(_Keep(logging.WARNING))
 
 
 def _imports() -> tuple[bool, str, str]:
@@ -44,7 +44,7 @@ def _imports() -> tuple[bool, str, str]:
 
 def triton_facts(st: RankState, _: m.TritonFacts) -> dict[str, Any]:
     """D rank: the fused kernel's state in this process after its copies."""
-    from kvbridge.connector import device_copies, triton_copy
+    from kvbridge.connector.movers import device_copies, triton_copy
 
     state = getattr(triton_copy, "STATE", None)
     failed = bool(getattr(state, "failed", False))

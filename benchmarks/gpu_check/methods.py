@@ -8,7 +8,7 @@ staged     each P rank gathers its runs into its staging buffer (copy kernels as
            into D's staging buffer (push: P WRITEs and notifies; pull: P notifies, D
            READs), D scatters (kernels again)
 kernel     D maps P's regions and copies every run with one kernel per group of equal
-           runs (the kernel mover's steps, :mod:`kvbridge.connector.kernel_mover`)
+           runs (the kernel mover's steps, :mod:`kvbridge.connector.movers.kernel`)
 copy       D copies the same bytes contiguously from P rank 0's mapped staging buffer
 contig     P rank 0 WRITEs the same bytes contiguously into each D rank's staging buffer
 vllm-like  :mod:`.vllm_like` over raw agents (:mod:`.vllm_agent`): D READs, or P WRITEs
@@ -28,9 +28,9 @@ import torch
 from benchmarks.gpu_check import messages as m
 from benchmarks.gpu_check import vllm_rank
 from benchmarks.gpu_check.rank import RankState
-from kvbridge.connector.device_copies import rows_copy
-from kvbridge.connector.device_memory import equal_runs
-from kvbridge.connector.kernel_mover import copy_groups, run_copy
+from kvbridge.connector.movers.device_copies import rows_copy
+from kvbridge.connector.movers.device_memory import equal_runs
+from kvbridge.connector.movers.kernel import copy_groups, run_copy
 from kvbridge.plan import Plan, Runs
 from kvbridge.transport.base import XferHandle
 

@@ -26,7 +26,7 @@ from benchmarks.gpu_check import pattern
 from benchmarks.gpu_check.memory import Pools, allocate
 from benchmarks.triton_state import wait_compiled
 from kvbridge.connector import Consumer, Mode, ProducerWorker, TransferHandle
-from kvbridge.connector.kernel_mover import Span
+from kvbridge.connector.movers.kernel import Span
 from kvbridge.layout.tensor import Region, regions_at
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan import Bound, Geometry, Side

@@ -31,7 +31,7 @@ from kvbridge.connector import (
     ProducerWorker,
     TransferHandle,
 )
-from kvbridge.connector.pull import read_runs
+from kvbridge.connector.movers.pull import read_runs
 from kvbridge.control.messages import RankInfo
 from kvbridge.control.security import Keys
 from kvbridge.errors import (

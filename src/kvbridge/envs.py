@@ -60,14 +60,14 @@ def nixl_module() -> str:
 
 def triton_copies() -> bool:
     """``KVBRIDGE_TRITON`` (default "1"): CUDA copies may use the fused Triton kernel;
-    "0" keeps them on torch's index kernels (:mod:`kvbridge.connector.device_copies`)."""
+    "0" keeps them on torch's index kernels (:mod:`kvbridge.connector.movers.device_copies`)."""
     return os.environ.get("KVBRIDGE_TRITON", "1") != "0"
 
 
 def triton_specialise() -> bool:
     """``KVBRIDGE_TRITON_SPECIALISE`` (default "1"): lengths copied often get the fused
     kernel compiled with the length as a constant, off the copy path; "0" keeps the
-    generic kernel (:mod:`kvbridge.connector.triton_copy`)."""
+    generic kernel (:mod:`kvbridge.connector.movers.triton_copy`)."""
     return os.environ.get("KVBRIDGE_TRITON_SPECIALISE", "1") != "0"
 
 

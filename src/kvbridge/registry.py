@@ -1,7 +1,7 @@
 """Things by name: the one table shape behind layouts, transports, movers and engine mixers.
 
 Each kind keeps one :class:`Registry` in its own module (``layout/build.py``,
-``transport/__init__.py``, ``connector/movers.py``, ``refengine/mixers.py``) and wraps it
+``transport/__init__.py``, ``connector/movers/registry.py``, ``refengine/mixers.py``) and wraps it
 in that kind's functions (``register_layout``, ``make_transport``, …); this module imports
 nothing heavy.
 """

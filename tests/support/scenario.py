@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbridge.connector.pull import read_runs
+from kvbridge.connector.movers.pull import read_runs
 from kvbridge.layout.build import build_layout
 from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Geometry

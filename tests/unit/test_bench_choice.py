@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from benchmarks.bench_choice import CASES, PAIRS, Staging, plan_runs
-from kvbridge.connector.choice import PairCosts, choose
 from kvbridge.connector.load import Mode
+from kvbridge.connector.movers.choice import PairCosts, choose
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -3,6 +3,7 @@ the flag is refused, naming it, where it cannot work (no NIXL, no bench run here
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -92,22 +93,26 @@ def test_unwritable_target_refused(tmp_path: Path, name: str, needle: str) -> No
 
 
 def test_missing_matplotlib_says_what_to_install(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     with pytest.raises(ConfigError, match=r"pip install 'kvbridge\[plot\]'"):
         draw("transfer", [transfer_row(CASES[0])], tmp_path / "t.png")
+    fake = tmp_path / "site" / "matplotlib"  # and in the bench's own process
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError('no matplotlib here')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     assert main(["bench", "transfer", "--quick", "--plot", str(tmp_path / "t.png")]) == 2
-    assert "pip install 'kvbridge[plot]'" in capsys.readouterr().err
+    assert "pip install 'kvbridge[plot]'" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["vllm"], ["vllm", "--quick"], ["plan", "--calls", "5"]])
 def test_refused_plot_exits_2_naming_the_flag(
-    tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, argv: list[str], capfd: pytest.CaptureFixture[str]
 ) -> None:
     target = tmp_path / ("figure.png" if argv[0] == "vllm" else "figure.svg")
     assert main(["bench", *argv, "--plot", str(target)]) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert err.count("\n") == 1 and "--plot" in err, err
     assert "Traceback" not in err
     assert not target.exists()

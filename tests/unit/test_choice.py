@@ -1,4 +1,4 @@
-"""The per-request choice's arithmetic (:mod:`kvbridge.connector.choice`): the probe's
+"""The per-request choice's arithmetic (:mod:`kvbridge.connector.movers.choice`): the probe's
 three transfers give a link back exactly, a request is priced both ways with each source
 rank direct or staged, a direction whose bytes are far slower is never taken, learning
 moves one direction only, and the stager's exact choice takes the pair's costs."""
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvbridge.connector.choice import (
+from kvbridge.connector.load import Mode
+from kvbridge.connector.movers.choice import (
     MARGIN,
     PROBE_RUN,
     SLOW_NET_S,
@@ -19,8 +20,7 @@ from kvbridge.connector.choice import (
     price,
     solve,
 )
-from kvbridge.connector.load import Mode
-from kvbridge.connector.staging import CostModel, Link
+from kvbridge.connector.movers.staging import CostModel, Link
 from kvbridge.plan.runs import Runs
 
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector import device_copies, triton_copy
-from kvbridge.connector.device_copies import checked_copy, copy_cost_probe, rows_copy
+from kvbridge.connector.movers import device_copies, triton_copy
+from kvbridge.connector.movers.device_copies import checked_copy, copy_cost_probe, rows_copy
 from kvbridge.errors import TransportError
 
 DEVICES = [
@@ -321,7 +321,7 @@ def test_cost_probe(device: str) -> None:
 def test_copy_divisor_divides_every_offset_and_tells_whole_rows(d, s, size, scale) -> None:
     """The staging copies' divisor (one OR-reduction per side, no scan of the runs): it
     divides every offset, and where it is a multiple of ``size`` every offset is one."""
-    from kvbridge.connector.device_copies import copy_divisor
+    from kvbridge.connector.movers.device_copies import copy_divisor
 
     d_off, s_off = np.array(d, np.int64) * scale, np.array(s, np.int64) * scale
     whole = not (d_off % size).any() and not (s_off % size).any()

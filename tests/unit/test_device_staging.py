@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.connector.device_memory import DeviceMemory
-from kvbridge.connector.staging import StagingPool, local_memory
+from kvbridge.connector.movers.device_memory import DeviceMemory
+from kvbridge.connector.movers.staging import StagingPool, local_memory
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind, Region
 from tests.unit.test_connector_loopback import World, check_bytes

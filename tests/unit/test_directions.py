@@ -1,5 +1,5 @@
 """AUTO mode: D measures each direction's costs with each P epoch once (a round, a
-descriptor, a byte) and prices every request both ways (:mod:`kvbridge.connector.choice`).
+descriptor, a byte) and prices every request both ways (:mod:`kvbridge.connector.movers.choice`).
 D transports whose READs are slow in one way or another stand in for the pairs that
 differ; bytes stay byte-exact whichever way a request goes."""
 
@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.connector.choice import PROBE_ROUNDS, PROBE_TIMEOUT_S, SLOW_NET_S
 from kvbridge.connector.load import Mode
+from kvbridge.connector.movers.choice import PROBE_ROUNDS, PROBE_TIMEOUT_S, SLOW_NET_S
 from kvbridge.transport.base import XferHandle
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import World, check_bytes

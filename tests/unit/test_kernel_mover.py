@@ -16,9 +16,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvbridge.connector import kernel_mover
-from kvbridge.connector.copies import by_length
-from kvbridge.connector.device_memory import Span
+from kvbridge.connector.movers import kernel as kernel_mover
+from kvbridge.connector.movers.copies import by_length
+from kvbridge.connector.movers.device_memory import Span
 from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import LeaseOp, tables_digest
 from kvbridge.errors import TransportError
@@ -267,7 +267,7 @@ def test_by_length_groups_runs_in_order() -> None:
 
 
 def test_equal_runs_cuts_joined_runs_into_one_length_byte_exact() -> None:
-    from kvbridge.connector.device_memory import equal_runs
+    from kvbridge.connector.movers.device_memory import equal_runs
 
     rng = np.random.default_rng(3)
     length = rng.choice([1024, 2048, 3072, 5120], size=40).astype(np.int64)
@@ -354,7 +354,7 @@ def test_share_sizes_must_match_the_regions_at_the_handshake(shm: ShmPool) -> No
 def test_an_older_epochs_mapping_closes_once_no_copy_uses_it() -> None:
     from types import SimpleNamespace
 
-    from kvbridge.connector.kernel_mover import KernelMover
+    from kvbridge.connector.movers.kernel import KernelMover
 
     buf = np.zeros(4096, np.uint8)
     mover = KernelMover([Region(int(buf.ctypes.data), 4096)])

@@ -15,7 +15,7 @@ from msgspec.structs import replace
 
 from kvbridge.connector.consumer import Consumer, Mode
 from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.push_gather import PushLedger
+from kvbridge.connector.movers.push_gather import PushLedger
 from kvbridge.control.channel import Client
 from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import (

@@ -9,9 +9,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.connector.choice import PROBE_ROUNDS
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.load import Mode
+from kvbridge.connector.movers.choice import PROBE_ROUNDS
 from kvbridge.errors import PeerError, TransportError
 from tests.unit.test_connector_loopback import World, check_bytes
 from tests.unit.test_kernel_mover import ShmPool, _landed, load_one, shm
@@ -159,7 +159,7 @@ def test_a_pair_served_over_nixl_gets_its_connections_made_ahead() -> None:
 
 
 def test_auto_measures_the_direction_in_prepare_not_in_the_first_load(monkeypatch) -> None:
-    from kvbridge.connector import movers
+    from kvbridge.connector.movers import registry as movers
 
     w = World(mode=Mode.AUTO)
     try:
@@ -218,7 +218,7 @@ def test_auto_loads_do_not_wait_behind_a_prepares_measurement(monkeypatch) -> No
     import time
 
     from kvbridge.connector import prepare as prepare_module
-    from kvbridge.connector.choice import PairCosts
+    from kvbridge.connector.movers.choice import PairCosts
 
     w = World(mode=Mode.AUTO)
     try:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector.spans import chunks
+from kvbridge.connector.movers.spans import chunks
 from kvbridge.errors import TransportError
 from kvbridge.plan.runs import Runs
 from tests.unit.test_staging import naive, run_sets
@@ -91,7 +91,7 @@ def test_stager_pulls_only_chunks_of_half_a_slot() -> None:
     """The next chunk's READ lands in the other half while one is scattered: a chunk
     longer than half a slot would overwrite bytes not yet scattered, so it is refused
     before anything is posted, and the slot is given back."""
-    from kvbridge.connector.staging import Stager
+    from kvbridge.connector.movers.staging import Stager
     from kvbridge.transport.base import Region
     from kvbridge.transport.loopback import Fabric, LoopbackTransport
 
@@ -111,7 +111,7 @@ def test_stager_pulls_only_chunks_of_half_a_slot() -> None:
 
 
 def _trace(n: int, wait_first: bool, fail_at: str = "") -> tuple[list[str], list[int]]:
-    from kvbridge.connector.spans import rounds
+    from kvbridge.connector.movers.spans import rounds
 
     events: list[str] = []
     inflight: list[int] = []

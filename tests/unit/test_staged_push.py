@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector import copies
 from kvbridge.connector.consumer import Consumer, Mode
-from kvbridge.connector.copies import LocalMemory, copy_equal
+from kvbridge.connector.movers import copies
+from kvbridge.connector.movers.copies import LocalMemory, copy_equal
+from kvbridge.connector.movers.push_gather import spans
 from kvbridge.connector.producer import Producer, ProducerWorker
-from kvbridge.connector.push_gather import spans
 from kvbridge.control import messages
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import PushRefused, PushRuns, seal, unseal

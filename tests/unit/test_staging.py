@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector.copies import LocalMemory, copy_equal
-from kvbridge.connector.device_memory import DeviceMemory
-from kvbridge.connector.staging import CostModel, StagingPool, chunks
+from kvbridge.connector.movers.copies import LocalMemory, copy_equal
+from kvbridge.connector.movers.device_memory import DeviceMemory
+from kvbridge.connector.movers.staging import CostModel, StagingPool, chunks
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
 from kvbridge.plan.runs import Runs

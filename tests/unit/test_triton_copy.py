@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.triton_state import kernel_facts, wait_compiled
-from kvbridge.connector import triton_copy
+from kvbridge.connector.movers import triton_copy
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton does not import"
@@ -31,7 +31,7 @@ def kernels(monkeypatch: pytest.MonkeyPatch):
     """A fresh kernel state (built anew); without CUDA, Triton's interpreter."""
     if DEVICE == "cpu":  # the kernels decorated anew, for the interpreter
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.delitem(sys.modules, "kvbridge.connector.triton_kernels", raising=False)
+        monkeypatch.delitem(sys.modules, "kvbridge.connector.movers.triton_kernels", raising=False)
     monkeypatch.delenv("KVBRIDGE_TRITON_SPECIALISE", raising=False)
     monkeypatch.setattr(triton_copy, "SPECIALISE_MIN_WORDS", 0)  # the tests' copies are small
     st = triton_copy.Kernels()
@@ -251,7 +251,7 @@ def test_the_grid_kernel_copies_exactly_in_both_forms(kernels, row: int, dtype) 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fused kernel copies CUDA memory only")
 def test_grid_copy_takes_the_grid_kernel_on_cuda(kernels) -> None:
-    from kvbridge.connector.device_copies import GridCopy, grid_copy
+    from kvbridge.connector.movers.device_copies import GridCopy, grid_copy
 
     rng = np.random.default_rng(5)
     stride, t, b = 4096, 6, 40

@@ -10,7 +10,7 @@ import ctypes
 import pytest
 
 from kvbridge.connector.load import _Load
-from kvbridge.connector.movers import MoverKind, mover_names, movers, register_mover
+from kvbridge.connector.movers.registry import MoverKind, mover_names, movers, register_mover
 from kvbridge.connector.peers import Peer
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.plan import Plan

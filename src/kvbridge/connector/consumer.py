@@ -19,11 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from kvbridge.connector.choice import PairCosts
 from kvbridge.connector.fence import Check, Fence, Held, ProbeArea, push_fence_checks
 from kvbridge.connector.handle import Tokens, TransferHandle
 from kvbridge.connector.inline import abandon, start, taken_over
-from kvbridge.connector.kernel_mover import kernel_mover
 from kvbridge.connector.lease_calls import LeaseCalls
 from kvbridge.connector.load import (
     NO_TABLES,
@@ -36,11 +34,13 @@ from kvbridge.connector.load import (
     _Load,
     failed_blocks,
 )
-from kvbridge.connector.movers import early, movers, plan_geometry, transfer
+from kvbridge.connector.movers.choice import PairCosts
+from kvbridge.connector.movers.kernel import kernel_mover
+from kvbridge.connector.movers.pull import POST_RUNS
+from kvbridge.connector.movers.registry import early, movers, plan_geometry, transfer
+from kvbridge.connector.movers.staging import Stager
 from kvbridge.connector.peers import Peer, PeerCache, Target
 from kvbridge.connector.prepare import prepare
-from kvbridge.connector.pull import POST_RUNS
-from kvbridge.connector.staging import Stager
 from kvbridge.control.security import Keys
 from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
 from kvbridge.fdtable import reserve_fds
@@ -98,13 +98,13 @@ class Consumer:
         first and last blocks that lie outside the tokens D needs (see
         :class:`~kvbridge.plan.geometry.Geometry`): fewer, larger runs.
         ``staging_bytes``: registered staging area for pulls and pushes of many small
-        runs, one slot per worker (0: none; :mod:`kvbridge.connector.staging`).
+        runs, one slot per worker (0: none; :mod:`kvbridge.connector.movers.staging`).
         ``staging``: let the cost model stage a request (False: always direct; may be
         changed between requests).
         ``keys``: CURVE keys of the side channel (default: derived from ``secret``).
         ``memory``, ``device``: where ``bases`` point (host memory, or GPU ``device``).
         ``kernel``: copy with one kernel from P ranks of this node that share their memory
-        (:mod:`kvbridge.connector.kernel_mover`), whatever ``mode`` says."""
+        (:mod:`kvbridge.connector.movers.kernel`), whatever ``mode`` says."""
         self.engine_id, self.spec, self.par, self.rank = engine_id, spec, par, rank
         self.transport, self.secret, self.policy = transport, secret, policy
         self.timeout_s, self.mode, self.staging = transfer_timeout_s, mode, staging
@@ -302,7 +302,7 @@ class Consumer:
 
     def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Reply) -> tuple[str, str, float]:
         """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where the
-        mover moving it runs early (:func:`~kvbridge.connector.movers.early`: the kernel
+        mover moving it runs early (:func:`~kvbridge.connector.movers.registry.early`: the kernel
         mover on a GPU reads P's memory in place and asks P nothing), while P answers:
         the mover takes the answer (``job.answer``) once its copies are launched, before
         it waits for them. Either way the load counts only if P answered "held"; bytes

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvbridge.connector.load import LoadState, Reply, Started, _Load
-from kvbridge.connector.movers import Rank, launch_early, plan_ready
+from kvbridge.connector.movers.registry import Rank, launch_early, plan_ready
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.plan.plan import Plan
 

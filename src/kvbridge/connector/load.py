@@ -16,7 +16,7 @@ from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
 
 if TYPE_CHECKING:
-    from kvbridge.connector.kernel_mover import Launched, Over
+    from kvbridge.connector.movers.kernel import Launched, Over
     from kvbridge.plan.plan import Plan
 
 
@@ -56,7 +56,7 @@ class Mode(enum.StrEnum):
     """D sends its plan; each P rank writes into D's blocks and notifies."""
     AUTO = "auto"
     """Per request, pull or push, whichever costs less by what D measured with the P
-    epoch (:mod:`kvbridge.connector.choice`): never a direction whose bytes are priced
+    epoch (:mod:`kvbridge.connector.movers.choice`): never a direction whose bytes are priced
     far above the other's (READ emulated over TCP between GPUs without RDMA)."""
 
 
@@ -158,7 +158,7 @@ class _Load:
     launched_by: tuple[str, str] | None = None
     """(mover, why) of a load an early mover started on the engine's thread."""
     direction: tuple[Mode, str] | None = None
-    """Pull or push for this load and why (:func:`kvbridge.connector.movers.direction`)."""
+    """Pull or push for this load and why (:func:`kvbridge.connector.movers.registry.direction`)."""
     planned_in: str = ""
     """The mover whose own geometry the load was planned in, the only one that may move
     it ("": the pair's geometry, any mover)."""

@@ -16,7 +16,7 @@ from functools import partial
 import numpy.ma  # noqa: F401
 
 from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.spans import Regions, regions_of
+from kvbridge.connector.movers.spans import Regions, regions_of
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import (
     PROTOCOL_VERSION,

@@ -13,9 +13,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvbridge.connector.choice import PROBE_TIMEOUT_S, measure
 from kvbridge.connector.load import Mode
-from kvbridge.connector.movers import Rank
+from kvbridge.connector.movers.choice import PROBE_TIMEOUT_S, measure
+from kvbridge.connector.movers.registry import Rank
 from kvbridge.connector.peers import Peer, PeerCache, Target
 from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
 from kvbridge.errors import KVBridgeError, PeerError
@@ -69,7 +69,7 @@ def _connect(d: Preparing, peer: Peer) -> None:
     """Each source rank's NIXL connections made ahead, into a staging slot (never a KV
     block): pull, one small READ; push and AUTO, the direction probe (a READ, and P's
     WRITE where it serves a push channel, else a READ alone; in :attr:`Mode.AUTO` its
-    result is the pair's, :func:`~kvbridge.connector.choice.measure`). The first rank
+    result is the pair's, :func:`~kvbridge.connector.movers.choice.measure`). The first rank
     that does not answer ends it, logged: prepare still succeeds, at most one staging
     slot stays out of the pool (a READ may yet land in it), and the first load meets P as
     it would have. Nothing without a staging slot to land in, or once D closes."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.handle import Tokens, TransferHandle, prompt_digest
-from kvbridge.connector.push_gather import PushGather, PushLedger
+from kvbridge.connector.movers.push_gather import PushGather, PushLedger
 from kvbridge.control.channel import Server
 from kvbridge.control.lease import Freed, LeaseTable
 from kvbridge.control.messages import (
@@ -97,7 +97,7 @@ class ProducerWorker:
         self._fenced: OrderedDict[tuple[str, str], None] = OrderedDict()
         """Both by (D engine id, request id)."""
         self.ledger = PushLedger()
-        """Each load's pushes written once; refusals by cause (``connector/push_gather.py``)."""
+        """Each load's pushes written once; refusals by cause (``movers/push_gather.py``)."""
         self._slots: dict[XferHandle, int] = {}
         """The staging slot each kept write reads from."""
         regions = regions_at(bases, layout.regions, memory, device)

@@ -133,7 +133,7 @@ class PushRuns(msgspec.Struct, tag="push", frozen=True):
     ``src``, ``dst``, ``nbytes``: little-endian uint64 arrays as bytes.
     ``staged``: the destinations are contiguous spans of D's staging slot (a staged
     push): the rank may gather its sources into a registered staging area of its own
-    and write a few long spans (:mod:`kvbridge.connector.push_gather`).
+    and write a few long spans (:mod:`kvbridge.connector.movers.push_gather`).
     """
 
     request_id: str

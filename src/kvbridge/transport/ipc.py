@@ -1,7 +1,7 @@
 """Sharing a rank's memory with another process of the same node, without NIXL.
 
 P describes each region as a :class:`Share` (:func:`export`); D, on the same node
-(:func:`node_id`), maps them (:class:`Opened`) for :mod:`kvbridge.connector.kernel_mover`.
+(:func:`node_id`), maps them (:class:`Opened`) for :mod:`kvbridge.connector.movers.kernel`.
 Two ways: ``cuda``, a CUDA IPC handle of the allocation holding a device region (driver
 API) and the region's offset in it; ``shm``, the /dev/shm file behind host memory (also
 device memory emulated on the CPU, ``KVBRIDGE_DEVICE_ON_CPU``). Anonymous host memory, or

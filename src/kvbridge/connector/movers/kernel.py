@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.connector.device_copies import GridCopy, checked_copy, grid_copy
-from kvbridge.connector.device_memory import Span, equal_runs
+from kvbridge.connector.movers.device_copies import GridCopy, checked_copy, grid_copy
+from kvbridge.connector.movers.device_memory import Span, equal_runs
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
 from kvbridge.errors import TransportError

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbridge.connector.spans import Chunk, chunks
-from kvbridge.connector.staging import StagingPool, local_memory
+from kvbridge.connector.movers.spans import Chunk, chunks
+from kvbridge.connector.movers.staging import StagingPool, local_memory
 from kvbridge.control.messages import PushRuns
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
@@ -97,7 +97,7 @@ MIN_RUNS = 16
 def spans(dst: np.ndarray, src: np.ndarray, length: np.ndarray, slot_bytes: int) -> Chunk | None:
     """Runs whose destinations join into few contiguous spans (at most one per 4 runs),
     none overlapping, whose bytes fit a slot: the staged pull's packer
-    (:func:`~kvbridge.connector.spans.chunks`) keyed by destination, one round: the
+    (:func:`~kvbridge.connector.movers.spans.chunks`) keyed by destination, one round: the
     chunk's spans are D's, its runs P's sources at their offsets in the slot. None:
     write direct."""
     n = dst.shape[0]

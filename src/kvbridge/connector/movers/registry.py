@@ -2,7 +2,7 @@
 them in ``order`` and the first that serves moves the load (``Outcome.mover``). Built in:
 ``kernel``, ``push`` and ``pull``. In :attr:`~kvbridge.connector.load.Mode.AUTO` push or
 pull is chosen per request from what D measured once per P epoch
-(:mod:`kvbridge.connector.choice`).
+(:mod:`kvbridge.connector.movers.choice`).
 """
 
 from __future__ import annotations
@@ -14,21 +14,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from kvbridge.connector.choice import PairCosts, choose, measure
 from kvbridge.connector.load import Mode, _Load
+from kvbridge.connector.movers.choice import PairCosts, choose, measure
+from kvbridge.connector.movers.pull import pull
+from kvbridge.connector.movers.push import Pusher, choose_push, push_staged
+from kvbridge.connector.movers.staging import Link
 from kvbridge.connector.peers import Peer
-from kvbridge.connector.pull import pull
-from kvbridge.connector.push import Pusher, choose_push, push_staged
-from kvbridge.connector.staging import Link
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.geometry import Geometry
 from kvbridge.plan.plan import Plan
 from kvbridge.registry import Registry
 
 if TYPE_CHECKING:
-    from kvbridge.connector.kernel_mover import KernelMover
     from kvbridge.connector.lease_calls import LeaseCalls
-    from kvbridge.connector.staging import Stager
+    from kvbridge.connector.movers.kernel import KernelMover
+    from kvbridge.connector.movers.staging import Stager
     from kvbridge.transport.base import Transport
 
 
@@ -207,7 +207,7 @@ def _kernel_ready(d: Rank, peer: Peer) -> bool:
 
 
 def costs_of(d: Rank, peer: Peer, src: int) -> PairCosts:
-    """What D measured with ``peer``'s epoch (:func:`~kvbridge.connector.choice.measure`
+    """What D measured with ``peer``'s epoch (:func:`~kvbridge.connector.movers.choice.measure`
     with P rank ``src``, once)."""
     with d.measuring:
         key = (peer.engine_id, peer.epoch)
@@ -218,8 +218,8 @@ def costs_of(d: Rank, peer: Peer, src: int) -> PairCosts:
 
 def direction(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[Mode, str]:
     """Pull or push for ``job``, and why: the configured mode, or (AUTO) the request
-    priced both ways with the pair's measured costs (:func:`~kvbridge.connector.choice.choose`);
-    decided once per load (``job.direction``)."""
+    priced both ways with the pair's measured costs (:func:`.choice.choose`); decided
+    once per load (``job.direction``)."""
     if job.direction is None:
         if d.mode is not Mode.AUTO:
             job.direction = d.mode, f"{d.mode.value} mode"

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.connector.load import _Load
+from kvbridge.connector.movers.spans import rounds
+from kvbridge.connector.movers.staging import Chunk, Link, Stager
 from kvbridge.connector.peers import Peer
-from kvbridge.connector.spans import rounds
-from kvbridge.connector.staging import Chunk, Link, Stager
 from kvbridge.control.messages import Message, PushRefused, PushReply, PushRuns
 from kvbridge.errors import PeerError
 from kvbridge.plan.runs import Runs
@@ -23,7 +23,7 @@ from kvbridge.plan.runs import Runs
 @dataclass(frozen=True, slots=True)
 class Pusher:
     """``job``'s pushes from D rank ``who`` = (engine id, epoch, rank, world; transport
-    metadata ``agent``), bound to its lease (:class:`~kvbridge.connector.push_gather.PushLedger`) by
+    metadata ``agent``), bound to its lease (:class:`.push_gather.PushLedger`) by
     its ``begin`` token, D's epoch, the nonce D issued for the load and D's engine id.
     ``job.pushed`` gets each P rank before it is asked (it may write even if the call
     fails)."""
@@ -136,7 +136,7 @@ Asked = tuple[list[Callable[[], int]], set[bytes]]
 def push_staged(
     stager: Stager, pusher: Pusher, plan: StagedPush, await_notifs: Callable[[set[bytes]], None]
 ) -> tuple[int, int]:
-    """Rounds through the slot's halves (:func:`~kvbridge.connector.spans.rounds`): ask
+    """Rounds through the slot's halves (:func:`~kvbridge.connector.movers.spans.rounds`): ask
     each P rank for round ``k`` once round ``k - 1`` landed (every answer and
     notification; ``await_notifs`` raises at the deadline), then scatter round ``k - 1``
     while P writes round ``k``: ``(descriptors P posted, runs moved)``. The slot is the

@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from kvbridge.connector.load import Mode
-from kvbridge.connector.peers import Peer
-from kvbridge.connector.push import reply_runs
-from kvbridge.connector.staging import (
+from kvbridge.connector.movers.push import reply_runs
+from kvbridge.connector.movers.staging import (
     MAX_AVG,
     MAX_BYTE_S,
     MAX_DESC_S,
@@ -35,12 +34,13 @@ from kvbridge.connector.staging import (
     MIN_RUNS,
     Link,
 )
+from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import PushRuns
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.runs import Runs
 
 if TYPE_CHECKING:
-    from kvbridge.connector.staging import Stager
+    from kvbridge.connector.movers.staging import Stager
     from kvbridge.transport.base import Transport
 
 PROBE_BYTES = 8 << 20

@@ -1,5 +1,5 @@
 """Local copies for device memory with torch kernels (on the CPU in tests): the device
-counterpart of :class:`kvbridge.connector.copies.LocalMemory`, and the :class:`Span`
+counterpart of :class:`kvbridge.connector.movers.copies.LocalMemory`, and the :class:`Span`
 (one ``uint8`` tensor over several regions) the kernel mover copies between.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvbridge.connector.copies import by_length
-from kvbridge.connector.device_copies import rows_copy
+from kvbridge.connector.movers.copies import by_length
+from kvbridge.connector.movers.device_copies import rows_copy
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region
 from kvbridge.transport.memory import byte_tensor, torch_device

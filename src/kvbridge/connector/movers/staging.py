@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.connector.copies import (
+from kvbridge.connector.movers.copies import (
     VIEW_S,
     LocalMemory,
     copy_equal,
@@ -25,9 +25,9 @@ from kvbridge.connector.copies import (
     gather_word,
     progressions,
 )
-from kvbridge.connector.device_copies import copy_cost_probe
-from kvbridge.connector.device_memory import DeviceMemory
-from kvbridge.connector.spans import Chunk, Regions, chunks, rounds
+from kvbridge.connector.movers.device_copies import copy_cost_probe
+from kvbridge.connector.movers.device_memory import DeviceMemory
+from kvbridge.connector.movers.spans import Chunk, Regions, chunks, rounds
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
 from kvbridge.plan.runs import Runs
@@ -85,12 +85,12 @@ class CostModel:
     """Direct: ``runs · c_desc``. Staged: ``spans · c_desc + rounds · round trip +
     gap bytes · c_byte + scatter(runs, bytes)``; the scatter's per-run and per-byte
     costs are measured at start-up; the transport's (:class:`Link`) are the pair's
-    measured ones where D measured them (:mod:`kvbridge.connector.choice`), else
+    measured ones where D measured them (:mod:`kvbridge.connector.movers.choice`), else
     ``link``, learned from the direct transfers the consumer times."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         """``device``: the copies run there as torch kernels (device memory), measured
-        once (:func:`~kvbridge.connector.device_copies.copy_cost_probe`); else numpy's."""
+        once (:func:`~kvbridge.connector.movers.device_copies.copy_cost_probe`); else numpy's."""
         self.link = Link(ROUND_TRIP_S, DESC_COST_S, TRANSFER_S_PER_B)
         self.on_device = device is not None
         if device is not None:
@@ -269,7 +269,7 @@ class Stager:
         Chunks of half a slot (the other half is scattered meanwhile). Pull
         (:meth:`pull`): one copy (D's scatter); ``regions``: each source rank's registered
         regions, spans may then read over gaps of up to :meth:`CostModel.max_gap` bytes
-        inside one region. ``push`` (:mod:`kvbridge.connector.push`): each chunk
+        inside one region. ``push`` (:mod:`kvbridge.connector.movers.push`): each chunk
         written as one span, two copies (P's gather, D's scatter). ``link``: the pair's measured
         costs in that direction (:meth:`CostModel.staged_wins`)."""
         out = {}

@@ -1,4 +1,4 @@
-"""The fused copy kernel's source, in two forms (:mod:`kvbridge.connector.triton_copy`
+"""The fused copy kernel's source, in two forms (:mod:`kvbridge.connector.movers.triton_copy`
 chooses): a program per tile of ``RUNS`` runs, ``BLOCK`` words of each per step. Word
 offsets are int64, so a tensor may exceed 2³¹ words; ``n`` (runs) is never specialised:
 a compile per run count would be unbounded. Kept at module level: Triton (and its

@@ -1,4 +1,4 @@
-"""The fused Triton kernels behind :mod:`kvbridge.connector.device_copies`: runs of
+"""The fused Triton kernels behind :mod:`kvbridge.connector.movers.device_copies`: runs of
 ``row`` words, a program per tile of runs. Two kinds: ``runs`` (an offset per run and
 side, :func:`copy`) and ``grid`` (a plan's :class:`~kvbridge.plan.runs.Grid`: per tile
 pattern run an offset, per tile a block id, per side a stride; the kernel makes each
@@ -232,6 +232,6 @@ def _fixed_off(st: Kernels, exc: Exception) -> None:
 def _build() -> dict[str, tuple[Any, Any]]:
     """Each kind's (generic, fixed) forms, imported on first use: importing Triton costs
     hundreds of milliseconds that a host-only process never pays."""
-    from kvbridge.connector import triton_kernels
+    from kvbridge.connector.movers import triton_kernels
 
     return dict(triton_kernels.FORMS)

@@ -1,5 +1,5 @@
 """Copies of many equal-length runs where the memory is (CPU or CUDA tensors): the
-device-side counterpart of :func:`kvbridge.connector.copies.copy_equal`.
+device-side counterpart of :func:`kvbridge.connector.movers.copies.copy_equal`.
 
 Both tensors are viewed as words as wide as every address allows (a run at ``d_off = 8``
 of 16 B is int64 words 1 and 2), moved by the first way that fits: a fused Triton kernel
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvbridge import envs
-from kvbridge.connector import triton_copy
+from kvbridge.connector.movers import triton_copy
 from kvbridge.errors import TransportError
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def checked_copy(
 ) -> None:
     """:func:`rows_copy` of runs the caller has already checked, without scanning them
     again: every run lies inside its tensor and no destination run overlaps another run
-    (the kernel mover's :func:`~kvbridge.connector.kernel_mover.copy_groups` checks the
+    (the kernel mover's :func:`~kvbridge.connector.movers.kernel.copy_groups` checks the
     bounds of a plan; the planner writes each destination byte once), and ``divisor``
     (bytes, > 0) divides every offset (the plan's geometry tells it:
     :meth:`~kvbridge.plan.geometry.Geometry.divisor`). The word width and whether runs

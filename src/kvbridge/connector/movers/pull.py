@@ -2,7 +2,7 @@
 a transport and waits for them (the connector, the reference engine, the test scenarios
 and the benches), and :func:`pull`, the connector's pull mover: D READs a request's runs
 from P, each source rank's runs posted as they are (direct) or, where the cost model says
-so, through D's staging area (:mod:`kvbridge.connector.staging`)."""
+so, through D's staging area (:mod:`kvbridge.connector.movers.staging`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from kvbridge.connector.load import _Load
+from kvbridge.connector.movers.staging import Link, Stager
 from kvbridge.connector.peers import Peer
-from kvbridge.connector.staging import Link, Stager
 from kvbridge.errors import TransferTimeout
 from kvbridge.plan.plan import Plan
 from kvbridge.plan.runs import Runs
