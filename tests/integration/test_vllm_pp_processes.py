@@ -96,9 +96,11 @@ def transfer(engines: list[Engine], p_side: Side, d_side: Side) -> tuple[list, l
     return p.each_worker(Caches()), d_before, d.each_worker(Caches())
 
 
-def check(case: str, engines: list[Engine]) -> None:
+def check(case: str, engines: list[Engine], swap: bool = False) -> None:
+    """``swap``: D's workers describe their heads as the other TP rank's (a control)."""
     (pt, pp_, pb), (dt, dp, db) = CASES[case]
-    p_side, d_side = Side("P", "kv_producer", pt, pp_, pb), Side("D", "kv_consumer", dt, dp, db)
+    p_side = Side("P", "kv_producer", pt, pp_, pb)
+    d_side = Side("D", "kv_consumer", dt, dp, db, swap_heads=swap)
     p_caches, d_before, d_after = transfer(engines, p_side, d_side)
     p_ids, d_ids = block_ids(1, N, pb), block_ids(2, N, db)
     seen = 0
@@ -124,3 +126,12 @@ def test_pp_load_is_byte_exact_across_processes(case: str, engines: list[Engine]
     """P PP 2 → D PP 2, PP 2 → PP 1, PP 1 → PP 2, and TP 1 × PP 2 → TP 2 × PP 1, with
     block sizes changing on the way."""
     check(case, engines)
+
+
+def test_heads_landing_on_the_wrong_tp_rank_are_caught(engines: list[Engine]) -> None:
+    """Control: D's TP ranks describe each other's heads; the load succeeds, and the
+    byte check sees P's heads land on the wrong rank."""
+    with pytest.raises(
+        AssertionError, match=r"'tp1pp2->tp2pp1', 0, 'model\.layers\.0\.\S+, 0, 'K'"
+    ):
+        check("tp1pp2->tp2pp1", engines, swap=True)

@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvbridge.integrations.vllm import cache as cache_module
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
 from kvbridge.integrations.vllm.metadata import StepMeta
 from refengine.processes import PRELOAD, RankProcesses, serve
@@ -56,6 +57,8 @@ class Side:
     pp: int
     block: int
     transport: str = "nixl"
+    swap_heads: bool = False
+    """Control: the workers describe their heads as the other TP rank's (TP 2)."""
 
     @property
     def world(self) -> int:
@@ -245,6 +248,8 @@ class WorkerPart:
         cfgs, _ = kv_cache_configs(side, vc)
         mp_.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
         mp_.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=stage))
+        if side.swap_heads:
+            mp_.setattr(cache_module, "shard_interval", _swapped(cache_module.shard_interval))
         self.caches = allocate_kv_cache(cfgs[rank], torch.device("cpu"), KVCacheLayout.LBHNC, None)
         fill(self.caches, 1000 + rank)  # what the pool held before (D: must stay where not loaded)
         self.conn = KVBridgeConnector(vc, KVConnectorRole.WORKER, cfgs[rank])
@@ -282,6 +287,13 @@ class WorkerPart:
 
     def close(self) -> None:
         self.conn.shutdown()
+
+
+def _swapped(shard: Any) -> Any:
+    def other(units: int, tp: int, rank: int, replicated: bool = False) -> tuple[int, int]:
+        return shard(units, tp, tp - 1 - rank, replicated)
+
+    return other
 
 
 def fill(caches: dict[str, torch.Tensor], seed: int) -> None:

@@ -113,6 +113,22 @@ def test_several_kv_cache_groups_under_pp_are_refused() -> None:
         read_cache(vc, workers[1])
 
 
+def test_layers_of_different_shapes_under_pp_are_refused() -> None:
+    """Heads of 64 and of 128 in one stage (vLLM groups them as one
+    ``UniformTypeKVCacheSpecs``): the other stages' shapes cannot be known."""
+    specs = [
+        {layer_name(i): attention_spec(P2, 128 if i == 1 else 64) for i in P2.stage_layers(s)}
+        for s in range(2)
+    ]
+    vc = vllm_config(P2)
+    vc.cache_config.num_gpu_blocks_override = 64
+    workers, _ = kv_cache_configs(P2, vc, specs)
+    with pytest.raises(
+        ConfigError, match=r"layer 1 \(full, 4096 B/token\) and layer 0 \(full, 2048"
+    ):
+        read_cache(vc, workers[0])
+
+
 def test_a_worker_announcing_another_rank_is_refused(
     made: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -184,7 +184,11 @@ def whole_model(
         raise ConfigError(f"pipeline_parallel_size {pp}: state layers (Mamba) are not planned")
     for i in idx:
         if held[i] != replace(first, index=i):
-            raise ConfigError(f"PP: layer {i} is {held[i]}, layer {idx[0]} {first}: not one kind")
+            raise ConfigError(
+                f"pipeline_parallel_size {pp}: layer {i} ({held[i].kind.value}, "
+                f"{held[i].token_bytes} B/token) and layer {idx[0]} ({first.kind.value}, "
+                f"{first.token_bytes} B/token) differ: PP needs one KV shape for every layer"
+            )
     n = stages[-1][1]
     layers = tuple(replace(first, index=i) for i in range(n))
     return stage, layers, [Group(groups[0].name, tuple(range(n)), groups[0].block_size)]
