@@ -42,12 +42,15 @@ pytestmark = pytest.mark.integration
 N = 150
 """Tokens P prefills (the prompt has one more: D computes it)."""
 
-CASES = {  # P, then D: (TP, PP, block)
+CASES = {  # P, then D: (TP, PP, block[, backend, KV cache layout])
     "pp2->pp2": ((1, 2, 32), (1, 2, 64)),
     "pp2->pp1": ((1, 2, 64), (1, 1, 32)),
     "pp1->pp2": ((1, 1, 32), (1, 2, 32)),
     "tp1pp2->tp2pp1": ((1, 2, 32), (2, 1, 64)),
+    "gpu-tp2pp2->tp1pp2": ((2, 2, 32, "FLASH_ATTN", "BLNHC"), (1, 2, 16, "FLASH_ATTN", "LBHNC")),
 }
+"""The ``gpu`` case takes the connector's GPU description (vLLM's logical views, a
+block-major layout on P) over host memory."""
 
 
 @pytest.fixture
@@ -96,23 +99,30 @@ def transfer(engines: list[Engine], p_side: Side, d_side: Side) -> tuple[list, l
     return p.each_worker(Caches()), d_before, d.each_worker(Caches())
 
 
+def side(name: str, role: str, args: tuple, **kw: object) -> Side:
+    """A :class:`Side` of ``(tp, pp, block[, backend, layout])``."""
+    return Side(
+        name, role, *args[:3], **dict(zip(("backend", "layout"), args[3:], strict=False)), **kw
+    )
+
+
 def check(case: str, engines: list[Engine], swap: bool = False) -> None:
     """``swap``: D's workers describe their heads as the other TP rank's (a control)."""
-    (pt, pp_, pb), (dt, dp, db) = CASES[case]
-    p_side = Side("P", "kv_producer", pt, pp_, pb)
-    d_side = Side("D", "kv_consumer", dt, dp, db, swap_heads=swap)
+    p_args, d_args = CASES[case]
+    p_side = side("P", "kv_producer", p_args)
+    d_side = side("D", "kv_consumer", d_args, swap_heads=swap)
     p_caches, d_before, d_after = transfer(engines, p_side, d_side)
-    p_ids, d_ids = block_ids(1, N, pb), block_ids(2, N, db)
+    p_ids, d_ids = block_ids(1, N, p_side.block), block_ids(2, N, d_side.block)
     seen = 0
     for r in range(d_side.world):
-        stage, tp_rank = divmod(r, dt)
+        stage, tp_rank = divmod(r, d_side.tp)
         assert set(d_after[r]) == {layer_name(i) for i in d_side.stage_layers(stage)}
         for name, after in d_after[r].items():
             layer = int(name.split(".")[2])
-            k_d, v_d = kv_of(after, d_ids, db, N)
+            k_d, v_d = kv_of(after, d_ids, d_side.block, N, d_side.backend)
             for h in range(after.shape[1]):
-                src, local = holder(p_side, layer, tp_rank * (HEADS // dt) + h)
-                k_p, v_p = kv_of(p_caches[src][name], p_ids, pb, N)
+                src, local = holder(p_side, layer, tp_rank * (HEADS // d_side.tp) + h)
+                k_p, v_p = kv_of(p_caches[src][name], p_ids, p_side.block, N, p_side.backend)
                 assert np.array_equal(k_d[:, h], k_p[:, local]), (case, r, name, h, "K")
                 assert np.array_equal(v_d[:, h], v_p[:, local]), (case, r, name, h, "V")
                 seen += 1
@@ -123,8 +133,9 @@ def check(case: str, engines: list[Engine], swap: bool = False) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pp_load_is_byte_exact_across_processes(case: str, engines: list[Engine]) -> None:
-    """P PP 2 → D PP 2, PP 2 → PP 1, PP 1 → PP 2, and TP 1 × PP 2 → TP 2 × PP 1, with
-    block sizes changing on the way."""
+    """P PP 2 → D PP 2, PP 2 → PP 1, PP 1 → PP 2, TP 1 × PP 2 → TP 2 × PP 1, and
+    TP 2 × PP 2 → TP 1 × PP 2 on the GPU description, with block sizes changing on the
+    way."""
     check(case, engines)
 
 

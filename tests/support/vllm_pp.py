@@ -43,7 +43,7 @@ from refengine.processes import PRELOAD, RankProcesses, serve
 
 LAYERS, HEADS, HEAD = 4, 4, 64
 """The model: 4 attention layers of 4 KV heads of 64 (fp32)."""
-NB = 24
+NB = 40
 """Blocks in each engine's pool."""
 
 
@@ -59,6 +59,12 @@ class Side:
     transport: str = "nixl"
     swap_heads: bool = False
     """Control: the workers describe their heads as the other TP rank's (TP 2)."""
+    backend: str = "CPU_ATTN"
+    """vLLM's attention backend: ``CPU_ATTN`` (its CPU kernels' cache, K transposed per
+    block), or a GPU backend such as ``FLASH_ATTN`` (vLLM's logical ``[B, H, N, C]``
+    views, described by ``gpu_layout``; host memory here)."""
+    layout: str = "LBHNC"
+    """vLLM's ``KVCacheLayout`` of the allocation (``CPU_ATTN``: ``LBHNC``)."""
 
     @property
     def world(self) -> int:
@@ -95,7 +101,7 @@ def vllm_config(side: Side) -> Any:
             prefill_context_parallel_size=1,
         ),
         cache_config=SimpleNamespace(
-            get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC,
+            get_resolved_kv_cache_layout=lambda: KVCacheLayout[side.layout],
             num_gpu_blocks_override=NB,
             prefix_cache_retention_interval=None,
             mamba_cache_mode="none",
@@ -103,7 +109,7 @@ def vllm_config(side: Side) -> Any:
             kv_cache_memory_bytes=None,
         ),
         attention_config=SimpleNamespace(
-            backend=AttentionBackendEnum.CPU_ATTN, hisparse_config=None
+            backend=AttentionBackendEnum[side.backend], hisparse_config=None
         ),
         compilation_config=SimpleNamespace(static_forward_context={}),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
@@ -250,7 +256,8 @@ class WorkerPart:
         mp_.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=stage))
         if side.swap_heads:
             mp_.setattr(cache_module, "shard_interval", _swapped(cache_module.shard_interval))
-        self.caches = allocate_kv_cache(cfgs[rank], torch.device("cpu"), KVCacheLayout.LBHNC, None)
+        lay = KVCacheLayout[side.layout]
+        self.caches = allocate_kv_cache(cfgs[rank], torch.device("cpu"), lay, None)
         fill(self.caches, 1000 + rank)  # what the pool held before (D: must stay where not loaded)
         self.conn = KVBridgeConnector(vc, KVConnectorRole.WORKER, cfgs[rank])
         self.conn.register_kv_caches(self.caches)
@@ -351,14 +358,21 @@ class Engine:
         self.procs.close()
 
 
-def kv_of(cache: np.ndarray, ids: list[int], block: int, n: int) -> tuple[np.ndarray, ...]:
+def kv_of(
+    cache: np.ndarray, ids: list[int], block: int, n: int, backend: str = "CPU_ATTN"
+) -> tuple[np.ndarray, ...]:
     """K and V ``[tokens, heads, head]`` of the first ``n`` tokens in blocks ``ids`` of one
-    layer's CPU attention cache ``[blocks, heads, block, 2·head]``, as vLLM's CPU kernels
-    keep it (per block and head: K ``[head][token]``, then V ``[token][head]``)."""
+    layer's cache ``[blocks, heads, block, 2·head]`` (vLLM's logical view). ``CPU_ATTN``
+    reads it as vLLM's CPU kernels keep it (per block and head: K ``[head][token]``, then V
+    ``[token][head]``); other backends as the view says (per token: K then V)."""
     nb, heads = cache.shape[:2]
-    flat = cache.reshape(nb, heads, 2 * block * HEAD)
-    k = flat[:, :, : block * HEAD].reshape(nb, heads, HEAD, block).transpose(0, 3, 1, 2)
-    v = flat[:, :, block * HEAD :].reshape(nb, heads, block, HEAD).transpose(0, 2, 1, 3)
+    if backend == "CPU_ATTN":
+        flat = cache.reshape(nb, heads, 2 * block * HEAD)
+        k = flat[:, :, : block * HEAD].reshape(nb, heads, HEAD, block).transpose(0, 3, 1, 2)
+        v = flat[:, :, block * HEAD :].reshape(nb, heads, block, HEAD).transpose(0, 2, 1, 3)
+    else:
+        k = cache[..., :HEAD].transpose(0, 2, 1, 3)
+        v = cache[..., HEAD:].transpose(0, 2, 1, 3)
     idx = np.asarray(ids)
     tok = np.arange(n)
     return k[idx[tok // block], tok % block], v[idx[tok // block], tok % block]
