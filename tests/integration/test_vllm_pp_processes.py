@@ -36,6 +36,7 @@ from tests.support.vllm_pp import (
     kv_of,
     layer_name,
 )
+from tests.support.zygote import Zygote
 
 pytestmark = pytest.mark.integration
 
@@ -53,10 +54,18 @@ CASES = {  # P, then D: (TP, PP, block[, backend, KV cache layout])
 block-major layout on P) over host memory."""
 
 
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    """Imports vLLM once for the module's engine processes."""
+    z = Zygote("tests.support.vllm_pp")
+    yield z
+    z.close()
+
+
 @pytest.fixture
-def engines() -> Iterator[list[Engine]]:
+def engines(zygote: Zygote) -> Iterator[tuple[Zygote, list[Engine]]]:
     made: list[Engine] = []
-    yield made
+    yield zygote, made
     for e in made:
         e.close()
 
@@ -73,10 +82,13 @@ def holder(side: Side, layer: int, head: int) -> tuple[int, int]:
     return stage * side.tp + head // per, head % per
 
 
-def transfer(engines: list[Engine], p_side: Side, d_side: Side) -> tuple[list, list, list]:
+def transfer(
+    engines: tuple[Zygote, list[Engine]], p_side: Side, d_side: Side
+) -> tuple[list, list, list]:
     """One request P → D; P's caches, D's before and D's after, per global rank."""
-    engines.append(p := Engine(p_side))
-    engines.append(d := Engine(d_side))
+    zygote, made = engines
+    made.append(p := Engine(p_side, zygote))
+    made.append(d := Engine(d_side, zygote))
     p.handshake()
     p_ids, d_ids = block_ids(1, N, p_side.block), block_ids(2, N, d_side.block)
     meta = p.sched(Prefill(N))
@@ -106,7 +118,7 @@ def side(name: str, role: str, args: tuple, **kw: object) -> Side:
     )
 
 
-def check(case: str, engines: list[Engine], swap: bool = False) -> None:
+def check(case: str, engines: tuple[Zygote, list[Engine]], swap: bool = False) -> None:
     """``swap``: D's workers describe their heads as the other TP rank's (a control)."""
     p_args, d_args = CASES[case]
     p_side = side("P", "kv_producer", p_args)
@@ -132,14 +144,18 @@ def check(case: str, engines: list[Engine], swap: bool = False) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_pp_load_is_byte_exact_across_processes(case: str, engines: list[Engine]) -> None:
+def test_pp_load_is_byte_exact_across_processes(
+    case: str, engines: tuple[Zygote, list[Engine]]
+) -> None:
     """P PP 2 → D PP 2, PP 2 → PP 1, PP 1 → PP 2, TP 1 × PP 2 → TP 2 × PP 1, and
     TP 2 × PP 2 → TP 1 × PP 2 on the GPU description, with block sizes changing on the
     way."""
     check(case, engines)
 
 
-def test_heads_landing_on_the_wrong_tp_rank_are_caught(engines: list[Engine]) -> None:
+def test_heads_landing_on_the_wrong_tp_rank_are_caught(
+    engines: tuple[Zygote, list[Engine]],
+) -> None:
     """Control: D's TP ranks describe each other's heads; the load succeeds, and the
     byte check sees P's heads land on the wrong rank."""
     with pytest.raises(

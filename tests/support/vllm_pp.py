@@ -8,14 +8,14 @@ stage's layers) and the scheduler's of ``generate_scheduler_kv_cache_config`` (s
 as vLLM's engine core makes it), caches made by ``allocate_kv_cache`` in the CPU
 attention backend's shape, and the real :class:`KVBridgeConnector` in each role. Each
 part runs in a process of its own (:class:`Engine`: the scheduler, then one process per
-worker) and the parent carries what vLLM's engine core carries between them: the
+worker, forked from a :class:`Zygote` that imported vLLM once) and the parent carries
+what vLLM's engine core carries between them: the
 workers' handshake metadata keyed ``(pp_rank, tp_rank)``, and each step's
 :class:`StepMeta`, pickled. The transport is NIXL.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -39,7 +39,8 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvbridge.integrations.vllm import cache as cache_module
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
 from kvbridge.integrations.vllm.metadata import StepMeta
-from refengine.processes import PRELOAD, RankProcesses, serve
+from refengine.processes import serve
+from tests.support.zygote import Zygote, booted, call, stop
 
 LAYERS, HEADS, HEAD = 4, 4, 64
 """The model: 4 attention layers of 4 KV heads of 64 (fp32)."""
@@ -310,7 +311,7 @@ def fill(caches: dict[str, torch.Tensor], seed: int) -> None:
         t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
 
 
-def _main(conn: Connection, side: Side, index: int) -> None:
+def part_main(conn: Connection, side: Side, index: int) -> None:
     """Process ``index`` of an engine: 0 its scheduler, ``1 + r`` the worker of rank ``r``."""
     import pytest
 
@@ -330,22 +331,25 @@ def _main(conn: Connection, side: Side, index: int) -> None:
 
 
 class Engine:
-    """One engine's scheduler and workers, each a process (index 0: the scheduler,
-    ``1 + rank``: the worker of global rank ``rank``)."""
+    """One engine's scheduler and workers, each a process forked by ``zygote`` (which
+    imported this module): ``parts[0]`` the scheduler, ``parts[1 + rank]`` the worker of
+    global rank ``rank``."""
 
-    def __init__(self, side: Side):
-        self.side = side
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([*PRELOAD, "tests.support.vllm_pp"])
-        args = [(side, i) for i in range(1 + side.world)]
-        self.procs = RankProcesses(ctx, _main, args, f"{side.name}-part", 240.0)
-        self.workers = list(range(1, 1 + side.world))
+    def __init__(self, side: Side, zygote: Zygote):
+        self.side, self.parts = side, []
+        try:
+            for i in range(1 + side.world):
+                self.parts.append(zygote.start("part_main", side, i))
+            booted(self.parts)
+        except BaseException:
+            self.close()
+            raise
 
     def sched(self, cmd: Any, timeout_s: float = 60.0) -> Any:
-        return self.procs.call(cmd, timeout_s, [0])[0]
+        return call(self.parts[:1], cmd, timeout_s)[0]
 
     def each_worker(self, cmd: Any, timeout_s: float = 60.0) -> list[Any]:
-        return self.procs.call(cmd, timeout_s, self.workers)
+        return call(self.parts[1:], cmd, timeout_s)
 
     def handshake(self) -> None:
         """As vLLM's engine core: every worker's metadata, keyed ``(pp_rank, tp_rank)``,
@@ -355,7 +359,8 @@ class Engine:
         self.sched(Handshake(keyed))
 
     def close(self) -> None:
-        self.procs.close()
+        stop(self.parts)
+        self.parts = []
 
 
 def kv_of(
