@@ -43,15 +43,18 @@ pytestmark = pytest.mark.integration
 N = 150
 """Tokens P prefills (the prompt has one more: D computes it)."""
 
-CASES = {  # P, then D: (TP, PP, block[, backend, KV cache layout])
+GPU = {"backend": "FLASH_ATTN"}
+CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other Side fields])
     "pp2->pp2": ((1, 2, 32), (1, 2, 64)),
     "pp2->pp1": ((1, 2, 64), (1, 1, 32)),
     "pp1->pp2": ((1, 1, 32), (1, 2, 32)),
     "tp1pp2->tp2pp1": ((1, 2, 32), (2, 1, 64)),
-    "gpu-tp2pp2->tp1pp2": ((2, 2, 32, "FLASH_ATTN", "BLNHC"), (1, 2, 16, "FLASH_ATTN", "LBHNC")),
+    "pp2(3,1)->pp2": ((1, 2, 32, {"partition": "3,1"}), (1, 2, 32)),
+    "gpu-tp2pp2->tp1pp2": ((2, 2, 32, {**GPU, "layout": "BLNHC"}), (1, 2, 16, GPU)),
 }
-"""The ``gpu`` case takes the connector's GPU description (vLLM's logical views, a
-block-major layout on P) over host memory."""
+"""``pp2(3,1)``: vLLM's partition set by ``VLLM_PP_LAYER_PARTITION`` (layers 0-2, 3), so
+D's stage 1 reads its layers from both P stages. The ``gpu`` case takes the connector's
+GPU description (vLLM's logical views; P's cache block-major) over host memory."""
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +115,8 @@ def transfer(
 
 
 def side(name: str, role: str, args: tuple, **kw: object) -> Side:
-    """A :class:`Side` of ``(tp, pp, block[, backend, layout])``."""
-    return Side(
-        name, role, *args[:3], **dict(zip(("backend", "layout"), args[3:], strict=False)), **kw
-    )
+    """A :class:`Side` of ``(tp, pp, block[, {other fields}])``."""
+    return Side(name, role, *args[:3], **(args[3] if len(args) > 3 else {}), **kw)
 
 
 def check(case: str, engines: tuple[Zygote, list[Engine]], swap: bool = False) -> None:
@@ -147,9 +148,9 @@ def check(case: str, engines: tuple[Zygote, list[Engine]], swap: bool = False) -
 def test_pp_load_is_byte_exact_across_processes(
     case: str, engines: tuple[Zygote, list[Engine]]
 ) -> None:
-    """P PP 2 → D PP 2, PP 2 → PP 1, PP 1 → PP 2, TP 1 × PP 2 → TP 2 × PP 1, and
-    TP 2 × PP 2 → TP 1 × PP 2 on the GPU description, with block sizes changing on the
-    way."""
+    """P PP 2 → D PP 2, PP 2 → PP 1, PP 1 → PP 2, TP 1 × PP 2 → TP 2 × PP 1, PP 2 of an
+    uneven partition → PP 2, and TP 2 × PP 2 → TP 1 × PP 2 on the GPU description, with
+    block sizes changing on the way."""
     check(case, engines)
 
 

@@ -66,12 +66,18 @@ class Side:
     views, described by ``gpu_layout``; host memory here)."""
     layout: str = "LBHNC"
     """vLLM's ``KVCacheLayout`` of the allocation (``CPU_ATTN``: ``LBHNC``)."""
+    partition: str = ""
+    """``VLLM_PP_LAYER_PARTITION`` of the engine's processes (layers per stage), if any."""
 
     @property
     def world(self) -> int:
         return self.tp * self.pp
 
     def stage_layers(self, stage: int) -> range:
+        """The layers of PP stage ``stage`` (in an engine's process: vLLM's partition)."""
+        if self.partition:
+            sizes = [int(x) for x in self.partition.split(",")]
+            return range(sum(sizes[:stage]), sum(sizes[: stage + 1]))
         return range(*get_pp_indices(LAYERS, stage, self.pp)) if self.pp > 1 else range(LAYERS)
 
 
@@ -318,6 +324,8 @@ def part_main(conn: Connection, side: Side, index: int) -> None:
     from refengine.processes import Failed
 
     with pytest.MonkeyPatch.context() as patch:
+        if side.partition:  # read by vLLM's get_pp_indices (and so by the connector)
+            patch.setenv("VLLM_PP_LAYER_PARTITION", side.partition)
         try:
             part: Any = SchedulerPart(side) if index == 0 else WorkerPart(side, index - 1, patch)
         except Exception as e:
