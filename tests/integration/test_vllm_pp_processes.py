@@ -12,6 +12,7 @@ the request must keep its old bytes; P's lease ends ``done`` (every D rank confi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -105,10 +106,9 @@ def transfer(
     d.each_worker(Step(meta))
     for done, failed in d.each_worker(Wait("d-req")):
         assert done == {"d-req"} and not failed
-    freed = p.sched(Step()).freed
-    for _ in range(100):  # D's confirms reach P's scheduler process asynchronously
-        if freed:
-            break
+    freed, end = p.sched(Step()).freed, time.monotonic() + 20.0
+    while not freed and time.monotonic() < end:  # D's confirms reach P asynchronously
+        time.sleep(0.01)
         freed = p.sched(Step()).freed
     assert freed == [("p-req", "done")]
     return p.each_worker(Caches()), d_before, d.each_worker(Caches())
