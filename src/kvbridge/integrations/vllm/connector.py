@@ -34,9 +34,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.sched = SchedulerSide(cfg, cache)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed import parallel_state as ps
 
-            self.worker = WorkerSide(cfg, cache, get_tensor_model_parallel_rank())
+            stage = ps.get_pp_group().rank_in_group if cache.par.pp > 1 else 0
+            self.worker = WorkerSide(cfg, cache, ps.get_tensor_model_parallel_rank(), stage)
 
     # --- scheduler side --------------------------------------------------------------
     def _s(self) -> SchedulerSide:
@@ -71,6 +72,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         infos = {r: m.info for r, m in metadata.items() if isinstance(m, RankMeta) and m.info}
         self._s().set_ranks(infos)
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's metadata, keyed ``(pp_rank, tp_rank)``: rank ``pp · tp + tp_rank``."""
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        self.set_xfer_handshake_metadata({pp * tp + r: m for (pp, r), m in metadata.items()})
+
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
@@ -81,7 +87,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         w = self._w()
-        w.register(place(self._vllm_config, w.cache, w.rank, kv_caches))
+        w.register(place(self._vllm_config, w.cache, w.tp_rank, kv_caches))
 
     def get_handshake_metadata(self) -> RankMeta | None:
         return self._w().handshake_meta()

@@ -18,7 +18,7 @@ from kvbridge.adapter import (
     increase,
     refusal,
 )
-from kvbridge.api import Keys, KVBridgeError, Producer, RankInfo, TransferHandle
+from kvbridge.api import Keys, KVBridgeError, PeerError, Producer, RankInfo, TransferHandle
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
@@ -45,6 +45,9 @@ class SchedulerSide:
         if not self.cfg.producer:
             return
         ranks: list[RankInfo] = [decode_info(b) for _, b in sorted(infos.items())]
+        for r, info in zip(sorted(infos), ranks, strict=True):
+            if info.rank != r:  # a worker whose PP stage or TP rank is not the one it says
+                raise PeerError(f"the worker of rank {r} announced rank {info.rank}")
         if ranks:
             self.splits = table_splits(self.cache.spec, ranks[0].block_sizes)
         self.producer = Producer(

@@ -1,4 +1,4 @@
-"""Worker side of the vLLM connector (one per TP rank, in vLLM's worker process): it
+"""Worker side of the vLLM connector (one per rank, TP × PP, in vLLM's worker process): it
 registers the KV tensors vLLM allocated, as :mod:`~kvbridge.integrations.vllm.placement`
 described them, publishes P's rank layout, and on D loads each request through a
 :class:`Consumer` (D's tables mapped to kernel blocks where the layout splits them)."""
@@ -14,6 +14,7 @@ from functools import partial
 from kvbridge.adapter import Loading, LoadJob, Tally, decode_handle, increase
 from kvbridge.adapter.metrics import Sample
 from kvbridge.api import (
+    ConfigError,
     Consumer,
     Keys,
     KVBridgeError,
@@ -42,8 +43,16 @@ def _prepared(engine_id: str, done: Future[str]) -> None:
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, cache: VllmCache, tp_rank: int):
-        self.cfg, self.cache, self.rank = cfg, cache, tp_rank
+    def __init__(self, cfg: ConnectorConfig, cache: VllmCache, tp_rank: int, stage: int = 0):
+        """``tp_rank`` within PP stage ``stage`` (vLLM's ``pp_rank``), whose layers
+        ``cache`` must name; the rank peers know is ``stage · tp + tp_rank``."""
+        if stage != cache.stage:
+            raise ConfigError(
+                f"PP stage {stage}: vLLM's KV cache config names the layers of stage "
+                f"{cache.stage} ({cache.par.stage_ranges(len(cache.spec.layers))[cache.stage]})"
+            )
+        self.cfg, self.cache, self.tp_rank = cfg, cache, tp_rank
+        self.rank = stage * cache.par.tp + tp_rank
         self.producer: ProducerWorker | None = None
         self.consumer: Consumer | None = None
         self._transports: list[Transport] = []

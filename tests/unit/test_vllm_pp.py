@@ -1,0 +1,148 @@
+"""The vLLM connector under pipeline parallelism: what each process makes of its stage's
+``KVCacheConfig`` (vLLM's own, from ``get_kv_cache_configs``), and the typed errors for
+configurations it cannot serve. The transfers themselves: ``tests/integration/
+test_vllm_pp_processes.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+import torch
+from vllm.distributed import parallel_state
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvbridge.api import ConfigError, PeerError
+from kvbridge.integrations.vllm.cache import read_cache
+from kvbridge.integrations.vllm.connector import KVBridgeConnector
+from tests.support.vllm_pp import (
+    LAYERS,
+    Side,
+    attention_spec,
+    kv_cache_configs,
+    layer_name,
+    vllm_config,
+)
+
+P2 = Side("P", "kv_producer", 1, 2, 32, "loopback")
+
+
+def worker(side: Side, cfg: Any, stage: int, tp_rank: int, mp: pytest.MonkeyPatch) -> Any:
+    """The worker connector of (``stage``, ``tp_rank``) given ``cfg``, caches registered."""
+    mp.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    mp.setattr(parallel_state, "get_pp_group", lambda: type("G", (), {"rank_in_group": stage}))
+    conn = KVBridgeConnector(vllm_config(side), KVConnectorRole.WORKER, cfg)
+    conn.register_kv_caches(allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.LBHNC, None))
+    return conn
+
+
+@pytest.fixture
+def made() -> Iterator[list[Any]]:
+    conns: list[Any] = []
+    yield conns
+    for c in conns:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("partition", [None, "3,1"])
+def test_every_process_plans_with_the_whole_model(
+    partition: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker's config names its stage's layers only, the scheduler's stage 0's; all
+    make the same spec of every layer (that of a PP 1 engine: its compatibility hash) and
+    vLLM's layer partition as the stages (``VLLM_PP_LAYER_PARTITION`` too)."""
+    if partition:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+    stages = ((0, 3), (3, 4)) if partition else ((0, 2), (2, 4))
+    vc = vllm_config(P2)
+    workers, sched = kv_cache_configs(P2, vc)
+    caches = [read_cache(vc, c) for c in (*workers, sched)]
+    one = Side("D", "kv_consumer", 1, 1, 32)
+    flat = read_cache(vllm_config(one), kv_cache_configs(one, vllm_config(one))[1])
+    assert [c.stage for c in caches] == [0, 1, 0]
+    assert [sorted(c.layer_names.values()) for c in caches] == [
+        list(range(*stages[0])),
+        list(range(*stages[1])),
+        list(range(*stages[0])),
+    ]
+    for c in caches:
+        assert c.par.stages == stages and c.par.pp == 2
+        assert c.spec.layers == flat.spec.layers and len(c.spec.layers) == LAYERS
+        assert c.spec.compat_hash() == flat.spec.compat_hash()
+
+
+def test_a_worker_given_another_stage_s_layers_is_refused(
+    made: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker of PP stage 1 with stage 0's config: a ConfigError naming both."""
+    workers, _ = kv_cache_configs(P2, vllm_config(P2))
+    with pytest.raises(ConfigError, match=r"PP stage 1: .* layers of stage 0 \(\(0, 2\)\)"):
+        made.append(worker(P2, workers[0], 1, 0, monkeypatch))
+
+
+def test_layers_that_are_no_stage_s_are_refused() -> None:
+    """A stage whose layers are not one range of vLLM's partition (layers 1 and 2 for
+    stages [0, 2), [2, 4))."""
+    specs = [{layer_name(i): attention_spec(P2) for i in ix} for ix in ((1, 2), (0, 3))]
+    vc = vllm_config(P2)
+    workers, _ = kv_cache_configs(P2, vc, specs)
+    with pytest.raises(ConfigError, match=r"holds KV layers 1\.\.2 \(2 layers\), which are no"):
+        read_cache(vc, workers[0])
+
+
+def test_several_kv_cache_groups_under_pp_are_refused() -> None:
+    """Sliding-window and full layers (two groups): a stage cannot see how the other
+    stages' layers are grouped."""
+    sw = SlidingWindowSpec(
+        block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float32, sliding_window=64
+    )
+    specs = [
+        {layer_name(i): (sw if i % 2 else attention_spec(P2)) for i in P2.stage_layers(s)}
+        for s in range(2)
+    ]
+    vc = vllm_config(P2)
+    vc.cache_config.num_gpu_blocks_override = 64  # two groups share the pool
+    workers, _ = kv_cache_configs(P2, vc, specs)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 2 with 2 KV cache groups"):
+        read_cache(vc, workers[1])
+
+
+def test_layers_of_different_shapes_under_pp_are_refused() -> None:
+    """Heads of 64 and of 128 in one stage (vLLM groups them as one
+    ``UniformTypeKVCacheSpecs``): the other stages' shapes cannot be known."""
+    specs = [
+        {layer_name(i): attention_spec(P2, 128 if i == 1 else 64) for i in P2.stage_layers(s)}
+        for s in range(2)
+    ]
+    vc = vllm_config(P2)
+    vc.cache_config.num_gpu_blocks_override = 64
+    workers, _ = kv_cache_configs(P2, vc, specs)
+    with pytest.raises(
+        ConfigError, match=r"layer 1 \(full, 4096 B/token\) and layer 0 \(full, 2048"
+    ):
+        read_cache(vc, workers[0])
+
+
+def test_a_worker_announcing_another_rank_is_refused(
+    made: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's engine core keys each worker's metadata by its (pp_rank, tp_rank); metadata
+    that names another rank (two stages' swapped) stops P's scheduler with a PeerError;
+    in order, P's scheduler knows all ranks."""
+    vc = vllm_config(P2)
+    workers, sched_cfg = kv_cache_configs(P2, vc)
+    for stage in range(2):
+        made.append(worker(P2, workers[stage], stage, 0, monkeypatch))
+    metas = [w.get_handshake_metadata() for w in made]
+    made.append(sched := KVBridgeConnector(vc, KVConnectorRole.SCHEDULER, sched_cfg))
+    with pytest.raises(PeerError, match="the worker of rank 0 announced rank 1"):
+        sched.set_xfer_handshake_metadata_pp_aware({(0, 0): metas[1], (1, 0): metas[0]})
+    sched.set_xfer_handshake_metadata_pp_aware({(0, 0): metas[0], (1, 0): metas[1]})
+    assert sched.sched is not None and sched.sched.producer is not None
+    assert sorted(sched.sched.producer.ranks) == [0, 1]
