@@ -27,10 +27,12 @@ def test_each_case_chooses_as_its_pair_says(case) -> None:  # type: ignore[no-un
     assert "priced pull" in got["RDMA"][1]
 
 
-def test_the_benchmark_prints_every_case() -> None:
+def test_the_benchmark_prints_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_choice", "--calls", "3"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
+    with capsys.disabled():  # the choices, priced, go into make test's log
+        print("\n" + out)
     rows = [ln for ln in out.splitlines() if "→" in ln and "µs)" in ln]
     assert len(rows) == len(CASES), out
