@@ -338,3 +338,35 @@ def test_copy_equal_matches_a_loop_on_progressions(size, pieces, seed, view_s) -
     for a, b in zip(d_off.tolist(), s_off, strict=True):
         want[a : a + size] = src[b : b + size]
     assert np.array_equal(dst, want)
+
+
+def test_a_round_whose_second_ask_fails_answers_the_first() -> None:
+    """Rank 1's channel refuses the ask after rank 0's was sent: rank 0's call is
+    answered before the failure goes on (its client would otherwise stay locked: the
+    next push to it would wait for ever; ``test_pd_processes``'s killed P rank, push)."""
+    from types import SimpleNamespace
+
+    from kvbridge.connector.movers.push import Part, StagedPush, push_staged
+    from kvbridge.connector.movers.spans import Chunk
+
+    answered: list[int] = []
+
+    class Pusher:
+        def notif(self, src: int) -> str:
+            return f"n{src}"
+
+        def ask(self, src, runs, notif, part, staged):  # type: ignore[no-untyped-def]
+            if src == 1:
+                raise TransportError("rank 1's channel is down")
+            return lambda: answered.append(src) or 1
+
+    zero, n = np.zeros(1, np.int64), np.full(1, 64, np.int64)
+    chunk = Chunk(zero, zero, n, zero, zero, n)
+    pool = SimpleNamespace(
+        region=SimpleNamespace(addr=0), slot_bytes=1 << 20, view=lambda s: np.zeros(1 << 20)
+    )
+    stager = SimpleNamespace(pool=pool, memory=SimpleNamespace(scatter=lambda *a: None))
+    plan = StagedPush(0, [[Part(0, chunk, 0), Part(1, chunk, 64)]], frozenset({0, 1}))
+    with pytest.raises(TransportError, match="down"):
+        push_staged(stager, Pusher(), plan, lambda want: None)  # type: ignore[arg-type]
+    assert answered == [0]

@@ -149,17 +149,21 @@ def push_staged(
 
     def start(parts: list[Part], at: int) -> Asked:
         k, calls, want = number[id(parts)], [], set()
-        for src in sorted({p.src for p in parts}):
-            mine = [p for p in parts if p.src == src]
-            runs = (
-                np.concatenate([p.chunk.span_src for p in mine]),
-                np.concatenate([p.chunk.span_stage + (base + at + p.offset) for p in mine]),
-                np.concatenate([p.chunk.span_len for p in mine]),
-            )
-            notif = f"{pusher.notif(src)}:s{k}".encode()
-            last = not any(p.src == src for later in plan.rounds[k + 1 :] for p in later)
-            calls.append(pusher.ask(src, runs, notif, (k, last), staged=True))
-            want.add(notif)
+        try:
+            for src in sorted({p.src for p in parts}):
+                mine = [p for p in parts if p.src == src]
+                runs = (
+                    np.concatenate([p.chunk.span_src for p in mine]),
+                    np.concatenate([p.chunk.span_stage + (base + at + p.offset) for p in mine]),
+                    np.concatenate([p.chunk.span_len for p in mine]),
+                )
+                notif = f"{pusher.notif(src)}:s{k}".encode()
+                last = not any(p.src == src for later in plan.rounds[k + 1 :] for p in later)
+                calls.append(pusher.ask(src, runs, notif, (k, last), staged=True))
+                want.add(notif)
+        except BaseException:
+            _answer(calls)  # the ranks asked before this one failed
+            raise
         return calls, want
 
     def wait(asked: Asked) -> None:
@@ -179,7 +183,13 @@ def push_staged(
         rounds(plan.rounds, stager.pool.slot_bytes // 2, start, wait, scatter, inflight, True)
     finally:
         for calls, _ in inflight:
-            for call in calls:
-                with contextlib.suppress(Exception):
-                    call()
+            _answer(calls)
     return counts[0], counts[1]
+
+
+def _answer(calls: list[Callable[[], int]]) -> None:
+    """Take the answers of calls a failed round left (each rank's channel waits for its
+    call's answer before it serves another), whatever they say."""
+    for call in calls:
+        with contextlib.suppress(Exception):
+            call()
