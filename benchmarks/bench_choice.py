@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.plan_bench import best_median_us
-from kvbridge.connector.movers.choice import PairCosts, choose, price
+from kvbridge.connector.movers.choice import PairCosts, choose, price, slow
 from kvbridge.connector.movers.staging import Link
 from kvbridge.layout.side import SideConfig
 from kvbridge.plan.dry_run import _bound, _tables, pool_size
@@ -77,7 +77,7 @@ def main() -> None:
         runs = plan_runs(model, tokens, (p_tp, d_tp), (p_lay, d_lay), (p_blk, d_blk))
         cells = []
         for read, write in PAIRS.values():
-            costs = PairCosts(read, write, "", 8 << 20)
+            costs = PairCosts(read, write, never=slow(read, write, 8 << 20))
             us = best_median_us(lambda c=costs, r=runs: choose(c, r, staging), args.calls)
             mode, why = choose(costs, runs, staging)
             (pull_s, pull_n), (push_s, push_n) = (

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.cli import bench_cmd
+from kvbridge.cli.main import main
 from kvbridge.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,13 +27,37 @@ def test_outside_a_checkout_bench_says_what_it_needs(
         bench_cmd.checkout()
 
 
-def test_the_working_directorys_checkout_comes_first(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_another_checkout_runs_with_its_own_kvbridge(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "bench_cli.py").write_text("")
+    """kvbridge not installed from a checkout: the working directory's runs, with that
+    checkout's ``src/kvbridge`` first on the child's path (never its benchmarks against
+    another kvbridge); the child's exit code is the command's."""
+    installed = tmp_path / "site-packages" / "kvbridge" / "cli" / "bench_cmd.py"
+    monkeypatch.setattr(bench_cmd, "__file__", str(installed))
+    root = tmp_path / "clone"
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "benchmarks" / "__init__.py").write_text("")
+    (root / "benchmarks" / "bench_cli.py").write_text(
+        "import sys, kvbridge\nprint(kvbridge.__file__, sys.argv[1:])\nsys.exit(3)\n"
+    )
+    (root / "src" / "kvbridge").mkdir(parents=True)
+    (root / "src" / "kvbridge" / "__init__.py").write_text("")
+    monkeypatch.chdir(root)
+    assert bench_cmd.checkout() == root
+    assert main(["bench", "trace", "--only=-x", "--quick"]) == 3
+    out = capfd.readouterr().out
+    assert str(root / "src" / "kvbridge" / "__init__.py") in out, out
+    assert "'--only=-x'" in out and "'--quick'" in out, out
+
+
+def test_a_relative_plot_is_the_callers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "figs").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert bench_cmd.checkout() == tmp_path
+    assert main(["bench", "plan", "--quick", "--calls", "1", "--plot", "figs/p.png"]) == 0
+    assert (tmp_path / "figs" / "p.png").stat().st_size > 0
 
 
 def test_bench_runs_in_a_child_and_imports_nothing_of_the_checkout(tmp_path: Path) -> None:

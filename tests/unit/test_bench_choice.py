@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.bench_choice import CASES, PAIRS, Staging, plan_runs
 from kvbridge.connector.load import Mode
-from kvbridge.connector.movers.choice import PairCosts, choose
+from kvbridge.connector.movers.choice import PairCosts, choose, slow
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -19,12 +19,12 @@ def test_each_case_chooses_as_its_pair_says(case) -> None:  # type: ignore[no-un
     _, model, tokens, p_tp, d_tp, p_lay, d_lay, p_blk, d_blk = case
     runs = plan_runs(model, tokens, (p_tp, d_tp), (p_lay, d_lay), (p_blk, d_blk))
     got = {
-        name: choose(PairCosts(read, write, "", 8 << 20), runs, Staging())
+        name: choose(PairCosts(read, write, never=slow(read, write, 8 << 20)), runs, Staging())
         for name, (read, write) in PAIRS.items()
     }
     assert got["GPU, no RDMA"][0] is Mode.PUSH and "never READ" in got["GPU, no RDMA"][1]
     assert got["host, this VM"][0] is Mode.PULL, got["host, this VM"][1]
-    assert "priced pull" in got["RDMA"][1]
+    assert got["RDMA"][0] is Mode.PULL and "priced pull" in got["RDMA"][1]
 
 
 def test_the_benchmark_prints_every_case(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,13 +14,15 @@ from kvbridge.connector.load import Mode
 from kvbridge.connector.movers.choice import (
     MARGIN,
     PROBE_RUN,
+    SLOW,
     SLOW_NET_S,
     PairCosts,
     choose,
     price,
+    slow,
     solve,
 )
-from kvbridge.connector.movers.staging import CostModel, Link
+from kvbridge.connector.movers.staging import MIN_BYTE_S, MIN_DESC_S, CostModel, Link
 from kvbridge.plan.runs import Runs
 
 
@@ -56,7 +58,8 @@ def test_the_probe_gives_the_link_back(link: Link) -> None:
 
 def test_a_probe_of_noise_stays_in_bounds() -> None:
     got = solve(1e-3, 0.5e-3, 0.9e-3, 256, 1 << 20)  # later transfers faster: noise
-    assert got.desc_s > 0 and got.byte_s > 0 and got.round_s >= 0
+    assert (got.desc_s, got.byte_s) == (MIN_DESC_S, MIN_BYTE_S)
+    assert got.round_s == pytest.approx(1e-3 - MIN_DESC_S - PROBE_RUN * MIN_BYTE_S)
 
 
 def test_price_is_each_rank_direct_or_staged_whichever_is_cheaper() -> None:
@@ -75,7 +78,7 @@ def test_price_is_each_rank_direct_or_staged_whichever_is_cheaper() -> None:
 
 
 def pair(read: Link, write: Link, nbytes: int = 8 << 20) -> PairCosts:
-    return PairCosts(read, write, "", nbytes)
+    return PairCosts(read, write, never=slow(read, write, nbytes))
 
 
 def test_the_same_pair_chooses_per_request() -> None:
@@ -99,7 +102,7 @@ def test_a_direction_far_slower_per_byte_is_never_chosen() -> None:
     assert mode is Mode.PUSH and "never READ" in why
     assert choose(pair(fast, tcp), runs_of(1, 64), None)[0] is Mode.PULL  # and WRITE
     tiny = pair(tcp, fast, nbytes=int(SLOW_NET_S / tcp.byte_s) - 1)  # too few bytes to tell
-    assert tiny.slow() == "" and choose(tiny, runs_of(1, 64), None)[0] is Mode.PULL
+    assert tiny.never == "" and choose(tiny, runs_of(1, 64), None)[0] is Mode.PULL
 
 
 def test_nothing_measured_pulls_and_says_why() -> None:
@@ -125,3 +128,35 @@ def test_the_stager_weighs_the_pairs_link() -> None:
     m.c_desc = 20e-9  # the stager's own, where the pair was never measured
     assert not m.staged_wins(**args)  # type: ignore[arg-type]
     assert m.max_gap(Link(0, 2e-6, 1e-10)) == 20_000
+
+
+def test_a_stalled_transfer_learned_never_bans_a_direction() -> None:
+    """One direct 8 MiB READ that took a whole second moves READ's byte cost; whether a
+    direction is never chosen stays what the probe found."""
+    same = Link(50e-6, 2e-6, 0.25e-9)
+    costs = pair(same, same)
+    stalled = costs.learned(False, 128, 8 << 20, 1.0)
+    assert stalled.read is not None and stalled.read.byte_s > SLOW * same.byte_s
+    assert stalled.never == "" and "never" not in choose(stalled, runs_of(1, 64), None)[1]
+
+
+def test_a_staged_push_is_priced_in_rounds_of_half_a_slot() -> None:
+    from kvbridge.connector.movers.spans import chunks
+
+    runs, st = runs_of(1024, 768), FakeStaging(slot_bytes=1 << 20)  # 768 KiB
+    assert len(chunks(runs[0], st.slot_bytes // 2)) == 2  # what a staged push makes
+    link = Link(1e-3, 10e-6, 1e-10)
+    got, staged = price(link, runs, True, st)
+    n, b = 1024, 1024 * 768
+    copies = 2 * (n * st.per_run + b * st.per_byte)
+    rounds = 2 * (link.round_s + link.desc_s)
+    assert staged == 1 and got == pytest.approx(rounds + b * link.byte_s + copies)
+
+
+def test_a_push_to_several_ranks_learns_net_of_each_ranks_round() -> None:
+    link = Link(400e-6, 2e-6, 0.25e-9)
+    costs = pair(link, link)
+    priced, _ = price(link, runs_of(256, 1024, ranks=4), True, None)
+    for _ in range(30):  # a direct push of 4 ranks that took exactly its price
+        costs = costs.learned(True, 4 * 256, 4 * 256 * 1024, priced, rounds=4)
+    assert costs.write is not None and costs.write.desc_s == pytest.approx(2e-6, rel=1e-6)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from kvbridge.connector.load import Mode
-from kvbridge.connector.movers.choice import PROBE_ROUNDS, PROBE_TIMEOUT_S, SLOW_NET_S
+from kvbridge.connector.movers.choice import PROBE_ROUNDS, PROBE_TIMEOUT_S
 from kvbridge.transport.base import XferHandle
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import World, check_bytes
@@ -75,7 +76,7 @@ def test_auto_pushes_where_reads_are_slow_and_measures_once() -> None:
         out = load(w, "a")
         assert out.mover == "push" and "auto: push, priced pull" in out.reason, out.reason
         (found,) = w.consumers[0].pair_costs.values()
-        assert found.read is not None and found.write is not None and found.nbytes > 0
+        assert found.read is not None and found.write is not None and found.at > 0
         assert found.read.round_s > READ_LATENCY_S * 0.9 > found.write.round_s
         assert load(w, "b").mover == "push"
         assert len(w.consumers[0].pair_costs) == 1  # measured once per P epoch
@@ -91,8 +92,7 @@ def test_a_read_at_tcp_speed_is_never_chosen() -> None:
         out = load(w, "a", 4)
         assert out.mover == "push" and "never READ" in out.reason, out.reason
         (found,) = w.consumers[0].pair_costs.values()
-        assert found.slow() == "READ"
-        assert found.read is not None and found.read.byte_s * found.nbytes >= SLOW_NET_S
+        assert found.never == "READ"
     finally:
         w.close()
 
@@ -103,7 +103,7 @@ def test_auto_pulls_where_both_directions_cost_the_same() -> None:
         out = load(w, "a")
         assert out.mover == "pull" and "auto: pull, priced pull" in out.reason, out.reason
         (found,) = w.consumers[0].pair_costs.values()
-        assert found.slow() == ""
+        assert found.never == ""
     finally:
         w.close()
 
@@ -178,5 +178,90 @@ def test_the_whole_probe_has_one_deadline() -> None:
         probe = given[: 3 * PROBE_ROUNDS]  # the probe's READs come first
         assert all(b < a - 0.04 for a, b in itertools.pairwise(probe)), probe
         assert probe[0] <= PROBE_TIMEOUT_S
+    finally:
+        w.close()
+
+
+def test_direct_loads_teach_the_direction_they_took() -> None:
+    """Nothing staged, thousands of small runs: a pulled load moves READ's descriptor
+    cost and leaves WRITE's; a pushed one (READ at TCP speed) the other way round."""
+    for transport, went in ((LoopbackTransport, "pull"), (TcpReads, "push")):
+        w = World(mode=Mode.AUTO, d_transport=transport)
+        try:
+            w.consumers[0].staging = False
+            load(w, "warm", 4)
+            (before,) = w.consumers[0].pair_costs.values()
+            out = load(w, "big", 250)
+            assert out.mover == went and out.descriptors > 1000, out
+            (after,) = w.consumers[0].pair_costs.values()
+            taught, kept = ("read", "write") if went == "pull" else ("write", "read")
+            assert getattr(after, kept) == getattr(before, kept)
+            assert getattr(after, taught).desc_s != getattr(before, taught).desc_s
+        finally:
+            w.close()
+
+
+def test_the_stager_stages_by_the_pairs_measured_link() -> None:
+    """The same request, the pair's READ descriptor made dear or cheap: staged in the
+    one, direct in the other (the stager weighs the pair's link, not its own guess)."""
+    w = World(mode=Mode.AUTO)
+    try:
+        d = w.consumers[0]
+        load(w, "warm", 4)
+        ((key, found),) = d.pair_costs.items()
+        assert found.read is not None
+        got = []
+        for desc_s in (1e-4, 1e-8):
+            d.pair_costs[key] = replace(found, read=replace(found.read, desc_s=desc_s))
+            out = load(w, f"r{desc_s}", 200)
+            assert out.mover == "pull", out.reason
+            got.append(out.staged_runs)
+        assert got[0] > 0 and got[1] == 0, got
+    finally:
+        w.close()
+
+
+def test_a_probe_gives_its_staging_slot_back() -> None:
+    w = World(mode=Mode.AUTO)
+    try:
+        stager = w.consumers[0].stager
+        assert stager is not None
+        free = stager.pool._free.qsize()
+        load(w, "a")
+        assert w.consumers[0].pair_costs and stager.pool._free.qsize() == free
+        assert stager.pool.quarantined == 0
+    finally:
+        w.close()
+
+
+def test_a_failed_probe_is_measured_again_later_and_nobody_waits_for_a_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No free slot at the first load: it pulls, saying why; once ``PROBE_RETRY_S`` has
+    passed, a load measures again (and pushes: READs are slow). Meanwhile loads of the
+    pair being measured pull at once instead of waiting for the probe."""
+    from kvbridge.connector.movers import choice, registry
+
+    w = World(mode=Mode.AUTO, d_transport=SlowReads)
+    try:
+        d = w.consumers[0]
+        assert d.stager is not None
+        pool = d.stager.pool
+        held = []
+        while (s := pool.take(0.0)) is not None:
+            held.append(s)
+        monkeypatch.setattr(choice, "PROBE_TIMEOUT_S", 0.2)  # the wait for a slot
+        first = load(w, "a")
+        assert first.mover == "pull" and "no free staging slot" in first.reason, first.reason
+        for s in held:
+            pool.give_back(s, True)
+        assert load(w, "b").mover == "pull"  # kept for PROBE_RETRY_S
+        monkeypatch.setattr(registry, "PROBE_RETRY_S", 0.0)
+        ((key, _),) = d.pair_costs.items()
+        d.pair_costs[key] = choice.PairCosts(note=registry.MEASURING)  # as while probing
+        busy = load(w, "c")
+        assert busy.mover == "pull" and registry.MEASURING in busy.reason, busy.reason
+        d.pair_costs[key] = choice.PairCosts(note="no free staging slot", at=1.0)
+        assert load(w, "d").mover == "push"  # measured again
     finally:
         w.close()

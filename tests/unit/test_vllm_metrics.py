@@ -121,7 +121,7 @@ def test_loads_are_counted_by_route() -> None:
         Outcome("c", True, bytes=1, mover="kernel"),
         Outcome("d", False, mover="push", error="TransferTimeout: x"),
     )
-    for mover, route in (("pull", "staged"), ("pull", "direct"), ("kernel", "kernel")):
+    for mover, route in (("pull", "staged"), ("pull", "direct"), ("kernel", "direct")):
         labels = {"engine": "0", "mover": mover, "route": route}
         assert reg.get_sample_value("vllm:kvbridge_loads_by_route_total", labels) == 1
     push = {"engine": "0", "mover": "push", "route": "direct"}

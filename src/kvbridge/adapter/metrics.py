@@ -50,8 +50,6 @@ def cause(out: Outcome) -> str:
 
 
 def _route(o: Outcome) -> str:
-    if o.mover == "kernel":
-        return "kernel"
     return "staged" if o.staged_runs else "direct"
 
 
@@ -106,8 +104,8 @@ BUILT_IN: tuple[Metric, ...] = (
     ),
     Metric(
         "loads_by_route",
-        "KV loads done, by mover and route (kernel; direct, or staged where any source "
-        "rank went through the staging area).",
+        "KV loads done, by mover and route (direct, or staged where any source rank "
+        "went through the staging area).",
         ("mover", "route"),
         lambda o: [(o.mover or "unknown", _route(o), 1)] if o.ok else [],
     ),

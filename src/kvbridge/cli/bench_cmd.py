@@ -6,6 +6,7 @@ case goes to stderr; the table (or, with ``--json``, one JSON list) to stdout at
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,9 +59,9 @@ def register(sub: Any) -> None:
 
 def checkout() -> Path:
     """The source checkout whose ``benchmarks/`` run (they are not installed with the
-    package): the working directory's, else the one this package is installed from in
-    place (``pip install -e``)."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+    package): the one this kvbridge is installed from in place (``pip install -e``), else
+    the working directory's."""
+    for root in (Path(__file__).resolve().parents[3], Path.cwd()):
         if (root / "benchmarks" / "bench_cli.py").is_file():
             return root
     raise ConfigError(
@@ -71,17 +72,23 @@ def checkout() -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """Refuse a flag the benchmark has no use for, then run the checkout's
-    ``benchmarks.bench_cli`` in a process of its own, in the checkout: this process
-    imports nothing from it."""
+    ``benchmarks.bench_cli`` in a process of its own, in the checkout, with that
+    checkout's kvbridge (``src/``) first on its path: this process imports nothing from
+    it. A child killed by a signal exits 128 + the signal's number."""
     if args.trace and args.what != "vllm":
         raise ConfigError(f"--trace: bench {args.what} has no trace mode; --trace works with vllm")
     if args.only is not None and args.what != "trace":
         raise ConfigError(f"--only: bench {args.what} has no case filter; --only works with trace")
     root = checkout()  # the flags first: their errors do not need a checkout
     argv = [args.what, *(["--json"] if args.json else []), *(["--quick"] if args.quick else [])]
-    for flag, value in (("--calls", args.calls), ("--only", args.only), ("--plot", args.plot)):
-        argv += [flag, str(value)] if value is not None else []
+    plot = str(Path(args.plot).resolve()) if args.plot is not None else None  # from here
+    for flag, value in (("--calls", args.calls), ("--only", args.only), ("--plot", plot)):
+        argv += [f"{flag}={value}"] if value is not None else []
     argv += ["--trace"] if args.trace else []
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_cli", *argv], cwd=root
-    ).returncode
+    env = dict(os.environ)
+    if (root / "src" / "kvbridge").is_dir():
+        paths = [str(root / "src"), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    child = [sys.executable, "-m", "benchmarks.bench_cli", *argv]
+    rc = subprocess.run(child, cwd=root, env=env).returncode
+    return rc if rc >= 0 else 128 - rc

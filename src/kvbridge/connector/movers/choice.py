@@ -48,6 +48,8 @@ PROBE_DESCS = 256
 PROBE_RUN = 64
 PROBE_TIMEOUT_S = 5.0
 PROBE_ROUNDS = 3
+PROBE_RETRY_S = 10.0
+"""A probe that failed, or found no free slot, is tried again this long after."""
 MARGIN = 1.25
 """Push is taken only where priced this much cheaper than pull (pull asks nothing of P)."""
 SLOW, SLOW_NET_S = 4.0, 1e-3
@@ -65,35 +67,38 @@ def solve(tiny: float, many: float, big: float, descs: int, big_bytes: int) -> L
     return Link(max(tiny - desc_s - PROBE_RUN * byte_s, 0.0), desc_s, byte_s)
 
 
+def slow(read: Link, write: Link, nbytes: int) -> str:
+    """The direction never to choose ("READ", "WRITE"; "": neither) by what the probe
+    measured: its bytes cost ``SLOW`` times the other's, and the probe's ``nbytes`` took
+    it ``SLOW_NET_S`` or more."""
+    if read.byte_s > SLOW * write.byte_s and read.byte_s * nbytes >= SLOW_NET_S:
+        return "READ"
+    if write.byte_s > SLOW * read.byte_s and write.byte_s * nbytes >= SLOW_NET_S:
+        return "WRITE"
+    return ""
+
+
 @dataclass(frozen=True, slots=True)
 class PairCosts:
     """What D measured with one P epoch: each direction's :class:`Link` (None: failed),
-    or ``note``, why nothing was measured (then D pulls)."""
+    or ``note``, why nothing was measured (then D pulls; ``at``: when, by
+    ``time.monotonic``, so that it is measured again after ``PROBE_RETRY_S``)."""
 
     read: Link | None = None
     write: Link | None = None
     note: str = ""
-    nbytes: int = 0
-    """The probe's long transfer."""
+    never: str = ""
+    """The direction the probe found far slower (:func:`slow`): learning never lifts it."""
+    at: float = 0.0
 
-    def slow(self) -> str:
-        """The direction never to choose ("READ", "WRITE"; "": neither): its bytes cost
-        ``SLOW`` times the other's, and the probe's took it ``SLOW_NET_S`` or more."""
-        r, w = self.read, self.write
-        if r is None or w is None:
-            return ""
-        if r.byte_s > SLOW * w.byte_s and r.byte_s * self.nbytes >= SLOW_NET_S:
-            return "READ"
-        if w.byte_s > SLOW * r.byte_s and w.byte_s * self.nbytes >= SLOW_NET_S:
-            return "WRITE"
-        return ""
-
-    def learned(self, push: bool, descriptors: int, nbytes: int, seconds: float) -> PairCosts:
+    def learned(
+        self, push: bool, descriptors: int, nbytes: int, seconds: float, rounds: int = 1
+    ) -> PairCosts:
         """After a direct transfer of that direction (:meth:`Link.learned`)."""
         link = self.write if push else self.read
         if link is None:
             return self
-        new = link.learned(descriptors, nbytes, seconds)
+        new = link.learned(descriptors, nbytes, seconds, rounds)
         return replace(self, write=new) if push else replace(self, read=new)
 
 
@@ -116,16 +121,16 @@ def price(
     """Seconds ``runs`` take over ``link`` (pushed: one round per source rank, asked in
     turn; pulled: all posted, one round), each source rank direct or staged, whichever
     costs less; and how many were priced staged. A staged rank costs one round and one
-    descriptor per chunk (a pulled chunk's spans counted as one: its floor), its bytes,
-    and its local copies (P's gather and D's scatter pushed, D's scatter pulled)."""
+    descriptor per chunk of half a slot (a pulled chunk's spans counted as one: its
+    floor), its bytes, and its local copies (P's gather and D's scatter pushed, D's
+    scatter pulled)."""
     total = 0.0 if push else link.round_s
     staged = 0
     for r in runs.values():
         n, b = len(r), r.nbytes
         best = n * link.desc_s + b * link.byte_s + (link.round_s if push else 0.0)
         if staging is not None and n >= MIN_RUNS and b <= MAX_AVG * n:
-            chunk = staging.slot_bytes if push else staging.slot_bytes // 2
-            rounds = -(-b // max(chunk, 1))
+            rounds = -(-b // max(staging.slot_bytes // 2, 1))  # rounds of half a slot
             copy = n * staging.per_run + b * staging.per_byte
             cost = rounds * (link.round_s + link.desc_s) + b * link.byte_s + copy * (1 + push)
             if cost < best:
@@ -139,10 +144,9 @@ def choose(costs: PairCosts, runs: Mapping[int, Runs], staging: Staging | None) 
     read, write = costs.read, costs.write
     if costs.note or read is None or write is None:
         return Mode.PULL, f"auto: pull ({costs.note or 'a direction failed its probe'})"
-    slow = costs.slow()
-    if slow:
-        mode = Mode.PUSH if slow == "READ" else Mode.PULL
-        return mode, f"auto: {mode.value}, never {slow}: READ {read}, WRITE {write}"
+    if costs.never:
+        mode = Mode.PUSH if costs.never == "READ" else Mode.PULL
+        return mode, f"auto: {mode.value}, never {costs.never}: READ {read}, WRITE {write}"
     pull_s, pull_n = price(read, runs, False, staging)
     push_s, push_n = price(write, runs, True, staging)
     mode = Mode.PUSH if push_s * MARGIN < pull_s else Mode.PULL
@@ -180,9 +184,11 @@ def measure(d: Probing, peer: Peer, src: int) -> PairCosts:
     if info is None or not info.endpoint or not info.regions:
         return PairCosts(note=f"P rank {src} serves no push channel")
     size = min(PROBE_BYTES, stager.pool.slot_bytes, info.regions[0])
+    if size < 4 * PROBE_RUN:
+        return PairCosts(note=f"P rank {src}'s first region ({size} B) is too small to probe")
     slot = stager.pool.take(PROBE_TIMEOUT_S)
     if slot is None:
-        return PairCosts(note="no free staging slot")
+        return PairCosts(note="no free staging slot", at=time.monotonic())
     clean = False
     try:
         at = stager.pool.region.addr + slot * stager.pool.slot_bytes
@@ -204,11 +210,12 @@ def measure(d: Probing, peer: Peer, src: int) -> PairCosts:
                 best[1, k] = min(best[1, k], _write(d, peer, src, runs, end))
         clean = True
     except KVBridgeError as exc:
-        return PairCosts(note=f"probe failed: {exc}")
+        return PairCosts(note=f"probe failed: {exc}", at=time.monotonic())
     finally:
         stager.pool.give_back(slot, clean)
     (rt, rm, rb), (wt, wm, wb) = best.tolist()
-    return PairCosts(solve(rt, rm, rb, descs, size), solve(wt, wm, wb, descs, size), "", size)
+    read, write = solve(rt, rm, rb, descs, size), solve(wt, wm, wb, descs, size)
+    return PairCosts(read, write, "", slow(read, write, size), time.monotonic())
 
 
 Shape = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -236,4 +243,4 @@ def _write(d: Probing, peer: Peer, src: int, runs: Shape, end: float) -> float:
     return time.perf_counter() - t0
 
 
-__all__ = ["Link", "PairCosts", "choose", "measure", "price", "solve"]
+__all__ = ["Link", "PairCosts", "choose", "measure", "price", "slow", "solve"]

@@ -68,11 +68,12 @@ def pull(
     job: _Load,
     limits: tuple[float, int],
     link: Link | None = None,
-) -> None:
+) -> float:
     """READ ``plan``'s runs within ``limits`` = (timeout, runs per posted READ), staged
     through ``stager`` where given and the cost model says so (with the pair's measured
     READ ``link``); READs still running when it fails are left in ``job.live`` (and the
-    staging slot they may land in in ``job.slot``)."""
+    staging slot they may land in in ``job.slot``). Returns the seconds of a transfer that
+    went all direct, from its first post to its landing (0: some of it staged)."""
     timeout_s, post_runs = limits
     deadline = time.monotonic() + timeout_s
     staged, slot = stager.choose(plan.runs, peer.regions, link=link) if stager else ({}, None)
@@ -92,5 +93,7 @@ def pull(
         job.staged_runs += moved
 
     direct = {src: r for src, r in plan.runs.items() if src not in staged}
+    t0 = time.perf_counter()
     posted = read_runs(transport, peer.agents, direct, deadline, job.live, post_runs, then)
     job.posted += posted  # after the call: ``then`` adds the staged spans meanwhile
+    return 0.0 if staged else time.perf_counter() - t0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.connector.load import Mode, _Load
-from kvbridge.connector.movers.choice import PairCosts, choose, measure
+from kvbridge.connector.movers.choice import PROBE_RETRY_S, PairCosts, choose, measure
 from kvbridge.connector.movers.pull import pull
 from kvbridge.connector.movers.push import Pusher, choose_push, push_staged
 from kvbridge.connector.movers.staging import Link
@@ -206,14 +206,28 @@ def _kernel_ready(d: Rank, peer: Peer) -> bool:
     return d.kernel is None or d.kernel.ready(peer)
 
 
+MEASURING = "being measured"
+
+
 def costs_of(d: Rank, peer: Peer, src: int) -> PairCosts:
-    """What D measured with ``peer``'s epoch (:func:`~kvbridge.connector.movers.choice.measure`
-    with P rank ``src``, once)."""
+    """What D measured with ``peer``'s epoch (:func:`.choice.measure` with P rank ``src``,
+    once; a failed probe again after ``PROBE_RETRY_S``). Measured outside ``d.measuring``:
+    loads that meet the epoch meanwhile pull, saying so, instead of waiting for it."""
+    key = (peer.engine_id, peer.epoch)
     with d.measuring:
-        key = (peer.engine_id, peer.epoch)
-        if key not in d.pair_costs:
-            d.pair_costs[key] = measure(d, peer, src)
-        return d.pair_costs[key]
+        found = d.pair_costs.get(key)
+        stale = found is not None and found.note not in ("", MEASURING)
+        if found is not None and not (stale and time.monotonic() - found.at > PROBE_RETRY_S):
+            return found
+        d.pair_costs[key] = PairCosts(note=MEASURING)
+    got = PairCosts(note="probe failed", at=time.monotonic())
+    try:
+        got = measure(d, peer, src)
+    finally:
+        with d.measuring:
+            if d.pair_costs.get(key, got).note in ("", MEASURING):  # none better meanwhile
+                d.pair_costs[key] = got
+    return got
 
 
 def direction(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[Mode, str]:
@@ -239,14 +253,17 @@ def link(d: Rank, peer: Peer, push: bool) -> Link | None:
     return costs.write if push else costs.read
 
 
-def learn(d: Rank, peer: Peer, push: bool, job: _Load, nbytes: int, seconds: float) -> None:
-    """A direct transfer of ``job`` timed: the pair's costs learn from it (AUTO), else
-    the stager's."""
+def learn(
+    d: Rank, peer: Peer, push: bool, job: _Load, moved: tuple[int, float], rounds: int = 1
+) -> None:
+    """A direct transfer of ``job`` timed, ``moved`` = (bytes, seconds) in ``rounds``: the
+    pair's measured costs learn from it (AUTO), else the stager's."""
+    nbytes, seconds = moved
     with d.measuring:
         key = (peer.engine_id, peer.epoch)
         costs = d.pair_costs.get(key)
-        if costs is not None:
-            d.pair_costs[key] = costs.learned(push, job.posted, nbytes, seconds)
+        if costs is not None and not costs.note:
+            d.pair_costs[key] = costs.learned(push, job.posted, nbytes, seconds, rounds)
             return
     if d.stager is not None:
         d.stager.costs.learn(job.posted, nbytes, seconds)
@@ -261,21 +278,21 @@ def _serves_in(mode: Mode) -> Callable[[Rank, Peer, Plan, _Load], str]:
 
 
 def _pull_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
-    t0 = time.perf_counter()
     stager = d.stager if d.staging else None
-    pull(d.transport, stager, peer, plan, job, (d.timeout_s, d.post_runs), link(d, peer, False))
-    if not job.staged_runs:
-        learn(d, peer, False, job, plan.nbytes, time.perf_counter() - t0)
+    limits = (d.timeout_s, d.post_runs)
+    seconds = pull(d.transport, stager, peer, plan, job, limits, link(d, peer, False))
+    if seconds:
+        learn(d, peer, False, job, (plan.nbytes, seconds))
 
 
 def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     """Direct runs first, then the staged ones in rounds through a slot that, should
     the load fail, returns to the pool only after the fence (``job.slot``)."""
     deadline = time.monotonic() + d.timeout_s
-    t0 = time.perf_counter()
     runs = plan.runs
     stager = d.stager if d.staging else None
     staged = choose_push(stager, runs, link(d, peer, True)) if stager is not None else None
+    t0 = time.perf_counter()  # the transfer's, not the choice's
     if staged is not None:
         job.slot = staged.slot
         runs = {src: r for src, r in runs.items() if src not in staged.ranks}
@@ -283,8 +300,9 @@ def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     pusher = Pusher(peer, job, d.leases.who, d.metadata)
     want, job.posted = pusher.direct(runs)
     d.await_notifs(want, deadline)
-    if stager is None or staged is None:
-        learn(d, peer, True, job, sum(r.nbytes for r in runs.values()), time.perf_counter() - t0)
+    if stager is None or staged is None:  # one round per P rank, asked in turn
+        moved = (sum(r.nbytes for r in runs.values()), time.perf_counter() - t0)
+        learn(d, peer, True, job, moved, max(len(runs), 1))
         return
     posted, job.staged_runs = push_staged(
         stager, pusher, staged, lambda w: d.await_notifs(w, deadline)
