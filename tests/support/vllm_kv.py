@@ -67,8 +67,8 @@ def scramble_blocks(worker: Any, blocks: list[int], tp_rank: int) -> int:
 
 def corrupt_block(worker: Any, block: int) -> int:
     """For ``functools.partial(corrupt_block, block=...)``: add 1 to every element of block
-    ``block`` of the worker's first KV tensor (a by-hand check that the byte test fails).
-    Returns the elements changed."""
+    ``block`` of the worker's first KV tensor (to see a byte check fail). Returns the
+    elements changed."""
     t = worker.model_runner.kv_caches[0]
     t[block] += 1
     return int(t[block].numel())
