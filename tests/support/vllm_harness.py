@@ -66,6 +66,8 @@ class Output:
     tokens: list[int]
     kv_transfer_params: dict[str, Any] | None
     finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token, the top ``logprobs`` tokens' log-probabilities (when asked)."""
 
 
 class EngineError(KVBridgeError):
@@ -104,10 +106,13 @@ class Engine:
         prompts: list[list[int]],
         max_tokens: int | list[int],
         params: list[dict[str, Any] | None] | None = None,
+        logprobs: int | None = None,
     ) -> list[Output]:
         """Greedy outputs of ``prompts``; ``params[i]`` is request i's ``kv_transfer_params``,
-        ``max_tokens`` one count for all or one per request."""
-        return self._call("generate", prompts, max_tokens, params or [None] * len(prompts))
+        ``max_tokens`` one count for all or one per request; ``logprobs``: that many top
+        log-probabilities per generated token (vLLM's limit: 20)."""
+        args = (prompts, max_tokens, params or [None] * len(prompts), logprobs)
+        return self._call("generate", *args)
 
     def rpc(self, fn: Any) -> list[Any]:
         """``fn(worker)`` on every worker of the engine (vLLM's ``collective_rpc``)."""
@@ -257,7 +262,7 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
         raise ValueError(f"unknown command {cmd!r}")
     from vllm import SamplingParams
 
-    prompts, max_tokens, params = args
+    prompts, max_tokens, params, logprobs = args
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     sps = [
         SamplingParams(
@@ -266,14 +271,18 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
             ignore_eos=True,
             detokenize=False,
             extra_args={"kv_transfer_params": p} if p else None,
+            logprobs=logprobs,
         )
         for m, p in zip(counts, params, strict=True)
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-    return [
-        Output(list(o.outputs[0].token_ids), o.kv_transfer_params, o.outputs[0].finish_reason)
-        for o in outs
-    ]
+    return [_output(o) for o in outs]
+
+
+def _output(o: Any) -> Output:
+    c = o.outputs[0]
+    lps = [{t: x.logprob for t, x in d.items()} for d in c.logprobs] if c.logprobs else None
+    return Output(list(c.token_ids), o.kv_transfer_params, c.finish_reason, lps)
 
 
 def connector_totals(worker: Any) -> dict[str, int]:
