@@ -7,11 +7,13 @@
 # tests of the device copies run on CUDA twice, Triton on (with the Triton kernel's own
 # tests: ~40 small compiles on a cold cache) and off (UNIT_TIMEOUT_S each, default 90;
 # UNIT_TESTS=0 skips them), their result lines in $OUT/unit_*.txt; then the kernel's two
-# forms side by side (benchmarks.bench_triton_forms, $OUT/triton_forms.txt). The JSON
+# forms side by side (benchmarks.bench_triton_forms, $OUT/triton_forms.txt), and vLLM's GPU
+# caches moved through the connector's worker side ($OUT/vllm_caches.txt). The JSON
 # lands in $OUT if set (the device tool brings $OUT back), else in build/, the table beside.
 #   PY (default python3), GPU_WHEELS, BUDGET_S (default 260), extra arguments: passed on.
 # Worst case with the defaults: unpack ~10 s + unit tests 2 x 100 s + the kernel forms'
-# benchmark ~10 s + 260 s + 45 s grace ~ 525 s (the device tool allows 600 s a call).
+# benchmark ~10 s + the vLLM-caches phase ~5 s (45 s at most) + 260 s + 45 s grace ~ 530 s
+# (570 s if that phase hangs; the device tool allows 600 s a call).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PY:-python3}
@@ -73,9 +75,22 @@ unit_tests() {  # the device copies' unit tests on CUDA, Triton on and off; neve
 }
 if [ "${UNIT_TESTS:-1}" != 0 ]; then unit_tests; fi
 # the copy kernel's two forms, GPU time side by side (a few seconds; never fails the check)
-forms=()
-if command -v timeout >/dev/null; then forms=(timeout -k 5 60); fi
+forms=() vlimit=()
+if command -v timeout >/dev/null; then forms=(timeout -k 5 60) vlimit=(timeout -k 5 45); fi
 ${forms[@]+"${forms[@]}"} "$py" -m benchmarks.bench_triton_forms 2>&1 | tee "$out/triton_forms.txt" || true
 
+# vLLM's GPU caches (benchmarks/gpu_check/vllm_caches.py: caches as vLLM 0.32 allocates
+# them in every KVCacheLayout, MLA, Mamba SD/DS, one request each through the connector's
+# worker-side code, every byte compared; ~5 s, at most 45 s); a failure fails the command
+vllm_rc=0
+${vlimit[@]+"${vlimit[@]}"} "$py" -m benchmarks.gpu_check.vllm_caches 2>&1 \
+  | tee "$out/vllm_caches.txt" || vllm_rc=$?
+
+check_rc=0
 "$py" -m benchmarks.gpu_check --budget-s "${BUDGET_S:-260}" --json "$out/gpu_check.json" "$@" \
-  | tee "$out/gpu_check.txt"
+  | tee "$out/gpu_check.txt" || check_rc=$?
+if [ "$check_rc" != 0 ]; then exit "$check_rc"; fi
+if [ "$vllm_rc" != 0 ]; then
+  echo "gpu-check: the vLLM-caches phase failed (exit $vllm_rc): $out/vllm_caches.txt" >&2
+  exit 1
+fi
