@@ -131,6 +131,8 @@ class Outcome:
     movers: list[str]
     seconds: float
     error: str = ""
+    memory: str = ""
+    """How P's and D's ranks registered their caches (``device``: as on a GPU)."""
 
 
 def run_case(
@@ -163,7 +165,9 @@ def run_case(
     got = [storage(next(iter(c.values()))) for c in d.caches]
     bad = sum(int((g != w).sum()) for g, w in zip(got, wants, strict=True))
     checked = sum(w.numel() for w in wants)
-    return Outcome(case.label, bad == 0, checked, bad, movers, time.perf_counter() - t0)
+    kinds = {pl.memory.value for e in (p, d) for pl in e.placed}
+    dt = time.perf_counter() - t0
+    return Outcome(case.label, bad == 0, checked, bad, movers, dt, memory=",".join(sorted(kinds)))
 
 
 def move(case: Case, p: Engine, d: Engine, tables: tuple[tuple[list[int], ...], ...]) -> list[str]:
@@ -237,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"  {out.label:<44} {verdict}: {out.checked} bytes of D checked, "
-            f"movers {','.join(out.movers) or '-'}, {out.seconds * 1e3:.0f} ms"
+            f"{out.memory or '-'} memory, movers {','.join(out.movers) or '-'}, "
+            f"{out.seconds * 1e3:.0f} ms"
         )
     print(f"vllm-caches: {failed} failed, {time.perf_counter() - t0:.1f} s")
     return 1 if failed else 0

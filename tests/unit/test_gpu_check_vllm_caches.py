@@ -33,6 +33,7 @@ def test_every_case_is_byte_exact_without_vllm() -> None:
     assert proc.returncode == 0, out[-4000:]
     assert "vLLM importable: no" in out
     assert out.count("byte-exact") == len(CASES), out
+    assert out.count("device memory") == len(CASES), out  # registered as on a GPU
     assert "vllm-caches: 0 failed" in out
 
 
