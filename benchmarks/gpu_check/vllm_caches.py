@@ -123,7 +123,9 @@ def block_ids(case: Case, slot: int, ids: list[int]) -> tuple[list[int], ...]:
 
 
 @dataclass
-class Outcome:
+class Result:
+    """One case's verdict: ``checked`` bytes of D compared, ``mismatched`` of them wrong."""
+
     label: str
     ok: bool
     checked: int
@@ -137,7 +139,7 @@ class Outcome:
 
 def run_case(
     case: Case, device: torch.device, tamper: Callable[[Engine, list[int]], None] | None = None
-) -> Outcome:
+) -> Result:
     """One request P → D; ``tamper`` (a control) changes D after the load (given D's
     engine and the request's vLLM blocks there)."""
     t0, rng = time.perf_counter(), np.random.default_rng(7)
@@ -148,18 +150,18 @@ def run_case(
             storage(next(iter(p.caches[r].values()))).copy_(
                 storage(next(iter(p.caches[0].values())))
             )
-    full = range(TOKENS, len(pids) * case.block)  # the last block's tail: P's on D too
+    tail = range(TOKENS, len(pids) * case.block)  # the last block's tail: P's on D too
     ds = (case.p.conv == "DS", case.d.conv == "DS")
-    expect(p.caches, d.caches, (p.specs, d.specs), (pids, dids), (sp, sd), ds, case.block, full)
+    expect(p.caches, d.caches, (p.specs, d.specs), (pids, dids), (sp, sd), ds, case.block, tail)
     wants = [storage(next(iter(c.values()))).clone() for c in d.caches]
     views = [mirror(c, w) for c, w in zip(d.caches, wants, strict=True)]
     expect(
         p.caches, views, (p.specs, d.specs), (pids, dids), (sp, sd), ds, case.block, range(TOKENS)
     )
     try:
-        movers = move(case, p, d, (block_ids(case, sp, pids), block_ids(case, sd, dids)))
+        movers = move(p, d, (block_ids(case, sp, pids), block_ids(case, sd, dids)))
     except Exception as e:  # a failed load fails the case, with why
-        return Outcome(case.label, False, 0, 0, [], time.perf_counter() - t0, repr(e))
+        return Result(case.label, False, 0, 0, [], time.perf_counter() - t0, repr(e))
     if tamper is not None:
         tamper(d, dids)
     got = [storage(next(iter(c.values()))) for c in d.caches]
@@ -167,10 +169,10 @@ def run_case(
     checked = sum(w.numel() for w in wants)
     kinds = {pl.memory.value for e in (p, d) for pl in e.placed}
     dt = time.perf_counter() - t0
-    return Outcome(case.label, bad == 0, checked, bad, movers, dt, memory=",".join(sorted(kinds)))
+    return Result(case.label, bad == 0, checked, bad, movers, dt, memory=",".join(sorted(kinds)))
 
 
-def move(case: Case, p: Engine, d: Engine, tables: tuple[tuple[list[int], ...], ...]) -> list[str]:
+def move(p: Engine, d: Engine, tables: tuple[tuple[list[int], ...], ...]) -> list[str]:
     """P's ranks registered and its writes waited for (``wait_for_save``), P's handle of
     the request, each D rank's load; the movers D's ranks took."""
     from kvbridge.api import Consumer, Producer, ProducerWorker, RankInfo, make_transport
