@@ -123,9 +123,36 @@ def test_layers_of_different_shapes_under_pp_are_refused() -> None:
     vc = vllm_config(P2)
     vc.cache_config.num_gpu_blocks_override = 64
     workers, _ = kv_cache_configs(P2, vc, specs)
-    with pytest.raises(
-        ConfigError, match=r"layer 1 \(full, 4096 B/token\) and layer 0 \(full, 2048"
-    ):
+    with pytest.raises(ConfigError, match="several KV shapes; PP needs one KV shape"):
+        read_cache(vc, workers[0])
+
+
+def test_shapes_that_differ_between_stages_only_are_refused() -> None:
+    """Heads of 64 in stage 0, of 128 in stage 1: each stage alone looks uniform, but
+    vLLM's config of each (``UniformTypeKVCacheSpecs``) shows the model's shapes differ;
+    every stage refuses it (accepted, each stage would plan another spec)."""
+    specs = [
+        {layer_name(i): attention_spec(P2, 64 if s == 0 else 128) for i in P2.stage_layers(s)}
+        for s in range(2)
+    ]
+    vc = vllm_config(P2)
+    vc.cache_config.num_gpu_blocks_override = 64
+    workers, _ = kv_cache_configs(P2, vc, specs)
+    for cfg in workers:
+        with pytest.raises(ConfigError, match="several KV shapes"):
+            read_cache(vc, cfg)
+
+
+@pytest.mark.parametrize("key", ["prefill_context_parallel_size", "decode_context_parallel_size"])
+def test_context_parallelism_is_refused(key: str) -> None:
+    vc = vllm_config(P2)
+    setattr(vc.parallel_config, key, 2)
+    workers, _ = kv_cache_configs(
+        P2,
+        vllm_config(P2),
+        [{layer_name(i): attention_spec(P2) for i in P2.stage_layers(s)} for s in range(2)],
+    )
+    with pytest.raises(ConfigError, match=f"{key} 2: the vLLM connector supports 1"):
         read_cache(vc, workers[0])
 
 

@@ -131,8 +131,13 @@ def d_latents(d: Engine, x: list[int]) -> list[torch.Tensor]:
 
 
 def p_latents(p: Engine, x: list[int], params: dict[str, object] | None) -> list[torch.Tensor]:
-    """Per P rank, the latents P prefilled for ``x`` (its handle's blocks)."""
-    ranks = p.rpc(functools.partial(read_blocks, blocks=p_table(params)))
+    """Per P rank, the latents P prefilled for ``x``: read from the blocks P's engine
+    scheduled the request with (recorded on its worker, not taken from kvbridge's
+    handle), which must be the blocks the handle names."""
+    (recorded,) = p.rpc(functools.partial(recorded_blocks, prompt=x[:-1]))[0]
+    table = p_table(params)
+    assert list(recorded[: len(table)]) == table, (recorded, table)
+    ranks = p.rpc(functools.partial(read_blocks, blocks=list(recorded[: len(table)])))
     return [tokens_of(t, len(x) - 1) for t in ranks]
 
 
