@@ -145,12 +145,15 @@ def test_tp_2_to_3_with_other_block_size_and_layout(cluster: Cluster) -> None:
 def test_d_prepares_for_p_on_every_rank_and_a_dead_p_costs_no_rank(cluster: Cluster) -> None:
     """``DecodeServer.prepare``: every rank of the TP-3 D connects to P before a request
     (its requests then match colocated output); one for a P that does not answer says so
-    per rank, and the D ranks serve on."""
+    per rank, and the D ranks serve on (that part once, with one model: it waits out the
+    handshake's timeout, ~10 s, and nothing of it depends on the model)."""
     p = cluster.p
     assert p.producer is not None
     assert cluster.odd.prepare(p.producer.endpoint, p.engine_id) == []
     out = cluster.run(cluster.odd, "prepared", PROMPTS[0])
     assert out.tokens == colocated(cluster.name, tuple(PROMPTS[0]))
+    if cluster.name != "llama":
+        return
     failed = cluster.odd.prepare("tcp://127.0.0.1:9", "P-gone")
     assert len(failed) == 3 and all("TransportError" in e for e in failed), failed
     again = cluster.run(cluster.odd, "after-dead-p", PROMPTS[1])
