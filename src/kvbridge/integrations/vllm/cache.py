@@ -93,9 +93,7 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     """Spec and parallel config from vLLM's configuration and its KV cache groups (with PP,
     this process's stage's layers: :func:`whole_model` makes the spec whole)."""
     par_cfg = vllm_config.parallel_config
-    for key in ("prefill_context_parallel_size", "decode_context_parallel_size"):
-        if getattr(par_cfg, key, 1) != 1:  # KV sharded by token: not described
-            raise ConfigError(f"{key} {getattr(par_cfg, key)}: the vLLM connector supports 1")
+    _refuse_unplanned(par_cfg, kv_cache_config)
     stages = pp_stages(vllm_config)
     par = Parallel(par_cfg.tensor_parallel_size, par_cfg.pipeline_parallel_size, stages)
     kv_heads = vllm_config.model_config.get_total_num_kv_heads()
@@ -121,14 +119,6 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
             groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
     stage = 0
     if stages:
-        mixed = [
-            g for g in kv_cache_config.kv_cache_groups if hasattr(g.kv_cache_spec, "kv_cache_specs")
-        ]
-        if mixed:  # vLLM's UniformTypeKVCacheSpecs: layers of several shapes in the model
-            raise ConfigError(
-                f"pipeline_parallel_size {par.pp}: the model's layers have several KV "
-                "shapes; PP needs one KV shape for every layer"
-            )
         stage, all_layers, groups = whole_model(layers, groups, stages)
     else:
         n = max(layers) + 1
@@ -151,6 +141,22 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
         kv_specs,
         stage,
     )
+
+
+def _refuse_unplanned(par_cfg: Any, kv_cache_config: Any) -> None:
+    """ConfigError for what the connector does not describe: context parallelism (KV
+    sharded by token) and, under PP, layers of several KV shapes (vLLM's
+    ``UniformTypeKVCacheSpecs`` in a stage's config: the other stages' shapes unknown)."""
+    for key in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if getattr(par_cfg, key, 1) != 1:
+            raise ConfigError(f"{key} {getattr(par_cfg, key)}: the vLLM connector supports 1")
+    pp = par_cfg.pipeline_parallel_size
+    groups = kv_cache_config.kv_cache_groups
+    if pp > 1 and any(hasattr(g.kv_cache_spec, "kv_cache_specs") for g in groups):
+        raise ConfigError(
+            f"pipeline_parallel_size {pp}: the model's layers have several KV shapes; PP "
+            "needs one KV shape for every layer"
+        )
 
 
 def pp_stages(vllm_config: Any) -> tuple[tuple[int, int], ...]:
