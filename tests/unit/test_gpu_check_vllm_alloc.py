@@ -20,35 +20,24 @@ import torch
 from vllm.model_executor.layers.mamba import mamba_utils
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from benchmarks.gpu_check import vllm_alloc as ours
 from benchmarks.gpu_check.vllm_cases import ATTENTION, STATE_SHAPES, attention_specs, hybrid_groups
 from kvbridge.integrations.vllm.gpu_layout import LAYOUTS
+from tests.unit.test_vllm_gpu_layout import allocate
 
 NB = 5
 
 
 def theirs(groups: list[Any], layout: str, kernel: int | None) -> dict[str, Any]:
     """vLLM's own views of ``groups`` (vLLM's records)."""
-    lay = KVCacheLayout[layout]
-    cache = SimpleNamespace(
-        get_resolved_kv_cache_layout=lambda: lay,
-        num_gpu_blocks_override=NB,
-        prefix_cache_retention_interval=None,
-    )
-    vc = SimpleNamespace(cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None))
-    cfg = get_kv_cache_config_from_groups(vc, groups, 1 << 30)
-    kernels = None if kernel is None else [kernel] * len(groups)
-    return allocate_kv_cache(cfg, torch.device("cpu"), lay, kernels)
+    return allocate(groups, layout, kernel, NB)[0]
 
 
 def as_vllm(g: ours.KVCacheGroupSpec) -> Any:

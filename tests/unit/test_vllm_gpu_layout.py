@@ -72,12 +72,13 @@ def layer_of(name: str) -> int:
     return int(name.split(".")[2])
 
 
-def allocate(groups: list[Any], layout: str, kernel: int | None = None) -> Engine:
-    """vLLM's allocation plan and per-layer views for ``groups`` (``KVCacheGroupSpec``)."""
+def allocate(groups: list[Any], layout: str, kernel: int | None = None, blocks: int = NB) -> Engine:
+    """vLLM's allocation plan and per-layer views for ``groups`` (``KVCacheGroupSpec``),
+    ``blocks`` blocks."""
     lay = KVCacheLayout[layout]
     cache = SimpleNamespace(
         get_resolved_kv_cache_layout=lambda: lay,
-        num_gpu_blocks_override=NB,
+        num_gpu_blocks_override=blocks,
         prefix_cache_retention_interval=None,
     )
     vc = SimpleNamespace(cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None))
