@@ -113,33 +113,28 @@ def test_several_kv_cache_groups_under_pp_are_refused() -> None:
         read_cache(vc, workers[1])
 
 
-def test_layers_of_different_shapes_under_pp_are_refused() -> None:
-    """Heads of 64 and of 128 in one stage (vLLM groups them as one
-    ``UniformTypeKVCacheSpecs``): the other stages' shapes cannot be known."""
-    specs = [
-        {layer_name(i): attention_spec(P2, 128 if i == 1 else 64) for i in P2.stage_layers(s)}
-        for s in range(2)
-    ]
-    vc = vllm_config(P2)
-    vc.cache_config.num_gpu_blocks_override = 64
-    workers, _ = kv_cache_configs(P2, vc, specs)
-    with pytest.raises(ConfigError, match="several KV shapes; PP needs one KV shape"):
-        read_cache(vc, workers[0])
+SHAPES = {  # heads of layer i in stage s
+    "within a stage": lambda s, i: 128 if i == 1 else 64,
+    "between stages": lambda s, i: 64 if s == 0 else 128,
+}
 
 
-def test_shapes_that_differ_between_stages_only_are_refused() -> None:
-    """Heads of 64 in stage 0, of 128 in stage 1: each stage alone looks uniform, but
-    vLLM's config of each (``UniformTypeKVCacheSpecs``) shows the model's shapes differ;
-    every stage refuses it (accepted, each stage would plan another spec)."""
+@pytest.mark.parametrize("case", SHAPES)
+def test_layers_of_different_shapes_under_pp_are_refused(case: str) -> None:
+    """Heads of 64 and of 128 in one stage, or 64 in stage 0 and 128 in stage 1 (each
+    stage alone looking uniform): vLLM's config of every stage shows the model's shapes
+    differ (``UniformTypeKVCacheSpecs``), and every stage refuses it (accepted, each
+    stage would plan another spec)."""
+    heads = SHAPES[case]
     specs = [
-        {layer_name(i): attention_spec(P2, 64 if s == 0 else 128) for i in P2.stage_layers(s)}
+        {layer_name(i): attention_spec(P2, heads(s, i)) for i in P2.stage_layers(s)}
         for s in range(2)
     ]
     vc = vllm_config(P2)
     vc.cache_config.num_gpu_blocks_override = 64
     workers, _ = kv_cache_configs(P2, vc, specs)
     for cfg in workers:
-        with pytest.raises(ConfigError, match="several KV shapes"):
+        with pytest.raises(ConfigError, match="several KV shapes; PP needs one KV shape"):
             read_cache(vc, cfg)
 
 
