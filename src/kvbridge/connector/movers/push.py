@@ -144,11 +144,10 @@ def push_staged(
     raises are answered first (the ranks' channels wait for them)."""
     base = stager.pool.region.addr + plan.slot * stager.pool.slot_bytes
     view = stager.pool.view(plan.slot)
-    number = {id(parts): k for k, parts in enumerate(plan.rounds)}
     counts = [0, 0]
 
-    def start(parts: list[Part], at: int) -> Asked:
-        k, calls, want = number[id(parts)], [], set()
+    def start(round_: tuple[int, list[Part]], at: int) -> Asked:
+        (k, parts), calls, want = round_, [], set()
         try:
             for src in sorted({p.src for p in parts}):
                 mine = [p for p in parts if p.src == src]
@@ -172,15 +171,16 @@ def push_staged(
             counts[0] += calls.pop(0)()
         await_notifs(want)
 
-    def scatter(parts: list[Part], at: int) -> None:
-        for p in parts:  # every write of the round landed
+    def scatter(round_: tuple[int, list[Part]], at: int) -> None:
+        for p in round_[1]:  # every write of the round landed
             c = p.chunk
             stager.memory.scatter(c.run_dst, view, c.run_stage + at + p.offset, c.run_len)
             counts[1] += c.run_len.shape[0]
 
     inflight: list[Asked] = []
     try:
-        rounds(plan.rounds, stager.pool.slot_bytes // 2, start, wait, scatter, inflight, True)
+        numbered = list(enumerate(plan.rounds))
+        rounds(numbered, stager.pool.slot_bytes // 2, start, wait, scatter, inflight, True)
     finally:
         for calls, _ in inflight:
             _answer(calls)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvbridge.connector.load import Mode, _Load
-from kvbridge.connector.movers.choice import PROBE_RETRY_S, PairCosts, choose, measure
+from kvbridge.connector.movers.choice import PROBE_RETRY_S, PairCosts, Probing, choose, measure
 from kvbridge.connector.movers.pull import pull
 from kvbridge.connector.movers.push import Pusher, choose_push, push_staged
 from kvbridge.connector.movers.staging import Link
@@ -28,31 +28,18 @@ from kvbridge.registry import Registry
 if TYPE_CHECKING:
     from kvbridge.connector.lease_calls import LeaseCalls
     from kvbridge.connector.movers.kernel import KernelMover
-    from kvbridge.connector.movers.staging import Stager
-    from kvbridge.transport.base import Transport
 
 
-class Rank(Protocol):
-    """What the movers use of a D rank: its memory's movers (``kernel``, ``stager``,
-    ``transport``), how it moves (``mode``, ``staging``, ``post_runs``, ``timeout_s``),
-    AUTO's measured ``pair_costs`` and their lock, its lease calls, its identity for P,
-    and its notification wait. A :class:`~kvbridge.connector.consumer.Consumer` is one;
-    the movers never see the rest of it."""
-
-    @property
-    def engine_id(self) -> str: ...
-
-    @property
-    def metadata(self) -> bytes: ...
+class Rank(Probing, Protocol):
+    """What the movers use of a D rank: what the probe uses (its identity for P, its
+    ``stager`` and ``transport``, its notification wait) and its kernel mover, how it
+    moves (``mode``, ``staging``, ``post_runs``, ``timeout_s``), AUTO's measured
+    ``pair_costs`` and their lock, its lease calls. A
+    :class:`~kvbridge.connector.consumer.Consumer` is one; the movers never see the rest
+    of it."""
 
     @property
     def kernel(self) -> KernelMover | None: ...
-
-    @property
-    def stager(self) -> Stager | None: ...
-
-    @property
-    def transport(self) -> Transport: ...
 
     @property
     def movers(self) -> tuple[MoverKind, ...]: ...
@@ -77,8 +64,6 @@ class Rank(Protocol):
 
     @property
     def leases(self) -> LeaseCalls: ...
-
-    def await_notifs(self, want: set[bytes], deadline: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
