@@ -318,3 +318,18 @@ def block_size(worker: Any) -> int:
     """For :meth:`Engine.rpc`: the attention block size vLLM settled on (for hybrid
     models it raises the one asked for until a block's page holds a Mamba state)."""
     return int(worker.vllm_config.cache_config.block_size)
+
+
+def cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) of every live process in process group ``pgid`` (an
+    :class:`Engine`'s: its ``proc.pid``)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp, …
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")

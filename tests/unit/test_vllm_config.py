@@ -101,3 +101,18 @@ def test_num_threads_is_read_as_vllms_nixl_connector_reads_it(monkeypatch) -> No
         side = SimpleNamespace(cfg=cfg, rank=0, _transports=[])
         worker.WorkerSide._transport(side, "D")  # type: ignore[arg-type]
         assert made[-1] == want
+
+
+def test_park_blocks_and_port_are_read_and_bad_values_refused() -> None:
+    """``park_blocks``: 0 (no park) or ≥ 2 (one stays empty as vLLM's null block)."""
+    cfg = read_config(kv(park_blocks=64, park_port=5601))
+    assert (cfg.park_blocks, cfg.park_port) == (64, 5601)
+    assert (read_config(kv()).park_blocks, read_config(kv()).park_port) == (0, 0)
+    for bad in (
+        {"park_blocks": 1},
+        {"park_blocks": -2},
+        {"park_blocks": 2.5},
+        {"park_port": 70000},
+    ):
+        with pytest.raises(ConfigError, match="park_"):
+            read_config(kv(**bad))

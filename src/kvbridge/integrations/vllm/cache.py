@@ -78,13 +78,14 @@ class VllmCache:
     stage: int = 0
     """The PP stage whose layers this process's ``KVCacheConfig`` names."""
 
-    def tables(self, block_ids: Any, n_computed: int) -> Tables:
+    def tables(self, block_ids: Any, n_computed: int, num_blocks: int = 0) -> Tables:
         """vLLM's per-group block ids as :class:`Tables`, checked here against the pool,
         each Mamba group cut to its one state slot (:func:`kvbridge.adapter.state_tables`:
         that request fails alone if a slot is missing, by policy, as vLLM wants for Mamba
         groups). Ids this check refuses go on unsealed: the rank's own check refuses them
-        again, so that load alone fails, as any load of bad ids does."""
-        limits = (self.num_blocks,) * len(block_ids)
+        again, so that load alone fails, as any load of bad ids does. ``num_blocks``: the
+        pool's blocks if not vLLM's (a park's)."""
+        limits = (num_blocks or self.num_blocks,) * len(block_ids)
         tabs = edge_tables(block_ids, limits, "vLLM's block tables")
         return state_tables(tabs, self.state_blocks, self.state_mode, n_computed)
 

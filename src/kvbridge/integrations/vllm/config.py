@@ -95,11 +95,17 @@ class ConnectorConfig:
     num_threads: int | None = None
     """UCX worker threads of this engine's NIXL agents, the key vLLM's NixlConnector reads
     (None: ``KVBRIDGE_UCX_THREADS``, default 0; :func:`kvbridge.envs.ucx_threads`)."""
+    park_blocks: int = 0
+    """P: blocks of its own (per worker, in vLLM blocks, one kept empty) into which a
+    finished request's KV is copied so vLLM frees it at once and an idle P idles
+    (:mod:`~kvbridge.integrations.vllm.park`); 0: none, the request's blocks are held."""
+    park_port: int = 0
+    """P: the side-channel port of the parked blocks' handshakes and leases (0: any)."""
 
 
 KNOWN = {
     *("host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file"),
-    *("transport", "prepare", "num_threads"),
+    *("transport", "prepare", "num_threads", "park_blocks", "park_port"),
 }
 """``kv_connector_extra_config`` keys besides the secret."""
 
@@ -149,11 +155,18 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             str(extra.get("transport", "nixl")),
             _peers(extra.get("prepare", ())),
             _whole("num_threads", extra.get("num_threads")),
+            _whole("park_blocks", extra.get("park_blocks")) or 0,
+            _whole("park_port", extra.get("park_port")) or 0,
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
     if cfg.num_threads is not None and not 0 <= cfg.num_threads <= 64:
         raise ConfigError(f"kv_connector_extra_config num_threads={cfg.num_threads}: 0..64")
+    if cfg.park_blocks < 0 or cfg.park_blocks == 1 or not 0 <= cfg.park_port < 65536:
+        raise ConfigError(
+            f"kv_connector_extra_config park_blocks={cfg.park_blocks} (0, or 2 and more: "
+            f"one stays empty), park_port={cfg.park_port}"
+        )
     if cfg.lease_s <= 0 or cfg.timeout_s <= 0 or not 0 <= cfg.port < 65536:
         raise ConfigError(
             f"kv_connector_extra_config {extra}: lease_s, timeout_s > 0, port in range"

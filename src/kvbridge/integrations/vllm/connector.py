@@ -69,8 +69,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._s().request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        infos = {r: m.info for r, m in metadata.items() if isinstance(m, RankMeta) and m.info}
-        self._s().set_ranks(infos)
+        ours = {r: m for r, m in metadata.items() if isinstance(m, RankMeta)}
+        infos = {r: m.info for r, m in ours.items() if m.info}
+        self._s().set_ranks(infos, {r: m.park for r, m in ours.items() if m.park})
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Every worker's metadata, keyed ``(pp_rank, tp_rank)``: rank ``pp · tp + tp_rank``."""
@@ -87,7 +88,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         w = self._w()
-        w.register(place(self._vllm_config, w.cache, w.tp_rank, kv_caches))
+        w.register(place(self._vllm_config, w.cache, w.tp_rank, kv_caches), kv_caches)
 
     def get_handshake_metadata(self) -> RankMeta | None:
         return self._w().handshake_meta()

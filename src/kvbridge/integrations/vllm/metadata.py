@@ -30,6 +30,9 @@ class StepMeta(KVConnectorMetadata):
     then."""
     refused: dict[str, int] = field(default_factory=dict)
     """P: lease ops refused since the previous step, by cause (``LeaseTable.refused``)."""
+    parks: list[tuple[str, list[list[int]], list[list[int]]]] = field(default_factory=list)
+    """P: ``(request id, vLLM blocks, park slots)`` per group, to copy once the step's KV
+    writes are queued (:mod:`~kvbridge.integrations.vllm.park`)."""
 
 
 @dataclass
@@ -37,6 +40,8 @@ class RankMeta(KVConnectorHandshakeMetadata):
     """Worker → scheduler, once: a P rank's layout, addresses and transport metadata."""
 
     info: bytes = b""
+    park: bytes = b""
+    """The rank's park as a rank of P's park instance (empty: no park)."""
 
 
 def encode_info(info: RankInfo) -> bytes:

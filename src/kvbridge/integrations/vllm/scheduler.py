@@ -23,6 +23,7 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
 from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
+from kvbridge.integrations.vllm.park_book import Order, ParkBook
 
 log = logging.getLogger(__name__)
 
@@ -39,34 +40,43 @@ class SchedulerSide:
         self._decoded: dict[str, tuple[str, TransferHandle | None]] = {}
         """D: per waiting request, its handle text and the handle (None: malformed),
         decoded once in this process; dropped once dealt with."""
+        self.park: Producer | None = None
+        """P with ``park_blocks``: the P instance of its workers' parks."""
+        self.book: ParkBook | None = None
 
     # --- P ---------------------------------------------------------------------------
-    def set_ranks(self, infos: dict[int, bytes]) -> None:
+    def set_ranks(self, infos: dict[int, bytes], parks: dict[int, bytes] | None = None) -> None:
+        """P's workers' rank infos (and, with ``park_blocks``, their parks'), by rank."""
         if not self.cfg.producer:
             return
-        ranks: list[RankInfo] = [decode_info(b) for _, b in sorted(infos.items())]
-        for r, info in zip(sorted(infos), ranks, strict=True):
-            if info.rank != r:  # a worker whose PP stage or TP rank is not the one it says
-                raise PeerError(f"the worker of rank {r} announced rank {info.rank}")
+        ranks = _ranks(infos)
         if ranks:
             self.splits = table_splits(self.cache.spec, ranks[0].block_sizes)
-        self.producer = Producer(
-            self.cfg.engine_id,
+        self.producer = self._producer(self.cfg.engine_id, self.cfg.port, ranks)
+        if parks and self.cfg.park_blocks:
+            if sorted(parks) != sorted(infos):
+                raise PeerError(f"workers {sorted(parks)} of {sorted(infos)} have a park")
+            eid = f"{self.cfg.engine_id}.park"
+            self.park = self._producer(eid, self.cfg.park_port, _ranks(parks))
+            self.book = ParkBook(self.cfg.park_blocks, len(self.cache.spec.groups))
+
+    def _producer(self, engine_id: str, port: int, ranks: list[RankInfo]) -> Producer:
+        p = Producer(
+            engine_id,
             self.cache.spec,
             self.cache.par,
             self.cfg.secret,
             self.cfg.lease_s,
             self.cfg.host,
-            self.cfg.port,
+            port,
             self.cfg.model_id,
             self.cfg.advertise,
             Keys.load(self.cfg.keys_file) if self.cfg.keys_file else None,
         )
         for info in ranks:
-            self.producer.add_rank(info)
-        log.info(
-            "kvbridge P %s serves handshakes on %s", self.cfg.engine_id, self.producer.endpoint
-        )
+            p.add_rank(info)
+        log.info("kvbridge P %s serves handshakes on %s", engine_id, p.endpoint)
+        return p
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
@@ -78,6 +88,8 @@ class SchedulerSide:
             del request._all_token_ids[-1:]
             request.num_prompt_tokens -= 1
         request.max_tokens = 1
+        if self.book is not None:
+            self.book.watch(request.request_id, request.num_prompt_tokens)
 
     def request_finished(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -87,11 +99,19 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode")) or self.producer is None:
             return False, None
-        if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
+        ok = request.status.name in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+        parked = self.book.settle(request.request_id, block_ids, ok) if self.book else None
+        if not ok:
             return False, None  # aborted or never prefilled: nothing for D
-        ids = self.cache.tables(block_ids, request.num_prompt_tokens)
-        tables = kernel_tables(ids, self.splits)
         n, prompt = request.num_prompt_tokens, getattr(request, "prompt_token_ids", None)
+        if parked is not None and self.park is not None:  # vLLM frees its blocks now
+            ids = self.cache.tables(parked, n, self.cfg.park_blocks)
+            handle = self.park.prefill_done(
+                request.request_id, kernel_tables(ids, self.splits), n, prompt=prompt
+            )
+            return False, {HANDLE_KEY: encode_handle(handle)}
+        ids = self.cache.tables(block_ids, n)
+        tables = kernel_tables(ids, self.splits)
         handle = self.producer.prefill_done(request.request_id, tables, n, prompt=prompt)
         return True, {HANDLE_KEY: encode_handle(handle)}
 
@@ -152,11 +172,28 @@ class SchedulerSide:
         for cause, n in refused.items():  # one line per cause and step, however many
             log.warning("kvbridge P %s refused %d lease op(s): %s", self.cfg.engine_id, n, cause)
         loads, releases = self.requests.take()
-        return StepMeta(loads, freed, releases, save, refused)
+        return StepMeta(loads, freed, releases, save, refused, self._parks(scheduled))
+
+    def _parks(self, scheduled: Any) -> list[Order]:
+        """The park's slots of ended leases back, then this step's copies."""
+        if self.book is None or self.park is None:
+            return []
+        for f in self.park.freed():
+            self.book.ended(f.request_id)
+        return self.book.orders(scheduled) if scheduled is not None else []
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
+        for p in (self.producer, self.park):
+            if p is not None:
+                p.close()
+
+
+def _ranks(infos: dict[int, bytes]) -> list[RankInfo]:
+    ranks: list[RankInfo] = [decode_info(b) for _, b in sorted(infos.items())]
+    for r, info in zip(sorted(infos), ranks, strict=True):
+        if info.rank != r:  # a worker whose PP stage or TP rank is not the one it says
+            raise PeerError(f"the worker of rank {r} announced rank {info.rank}")
+    return ranks
 
 
 def _tokens(request: Any, handle: TransferHandle | None) -> int:

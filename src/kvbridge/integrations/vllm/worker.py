@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import partial
+from typing import Any
 
 from kvbridge.adapter import Loading, LoadJob, Tally, decode_handle, increase
 from kvbridge.adapter.metrics import Sample
@@ -27,6 +29,7 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import Placement, kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
+from kvbridge.integrations.vllm.park import Park, region_tensors
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class WorkerSide:
         self.cfg, self.cache, self.tp_rank = cfg, cache, tp_rank
         self.rank = stage * cache.par.tp + tp_rank
         self.producer: ProducerWorker | None = None
+        self.park: Park | None = None
+        self.park_producer: ProducerWorker | None = None
         self.consumer: Consumer | None = None
         self._transports: list[Transport] = []
         self.loading = Loading()
@@ -78,10 +83,11 @@ class WorkerSide:
         self._transports.append(t)
         return t
 
-    def register(self, placed: Placement) -> None:
+    def register(self, placed: Placement, kv_caches: Mapping[str, Any] | None = None) -> None:
         """Register this rank's KV memory, described once
         (:func:`~kvbridge.integrations.vllm.placement.place`), with P's and
-        D's halves as the role asks."""
+        D's halves as the role asks (P with ``park_blocks``: its park too, beside
+        ``kv_caches``, the tensors ``placed`` describes)."""
         self.splits = placed.splits
         if self.cfg.producer:
             self.producer = ProducerWorker(
@@ -92,6 +98,17 @@ class WorkerSide:
                 memory=placed.memory,
                 device=placed.device,
             )
+            if self.cfg.park_blocks and kv_caches is not None:
+                storages = region_tensors(kv_caches, placed.bases)
+                self.park = Park(placed, storages, self.cfg.park_blocks)
+                self.park_producer = ProducerWorker(
+                    self.rank,
+                    self.park.layout,
+                    self.park.bases,
+                    self._transport("park"),
+                    memory=placed.memory,
+                    device=placed.device,
+                )
         if self.cfg.consumer:
             self.consumer = Consumer(
                 self.cfg.engine_id,
@@ -114,11 +131,17 @@ class WorkerSide:
         """P: return once this step's KV writes are complete (device memory: everything
         queued on the current stream), so that no handle of the step leaves before them;
         a step without a request prefilled for remote decode (``meta.save``) does not wait."""
+        if self.park is not None:
+            for _, blocks, slots in meta.parks:  # queued after the step's KV writes
+                self.park.copy(blocks, slots)
         if self.producer is not None and meta.save:
             self.producer.written()
 
     def handshake_meta(self) -> RankMeta | None:
-        return RankMeta(encode_info(self.producer.info)) if self.producer else None
+        if self.producer is None:
+            return None
+        park = encode_info(self.park_producer.info) if self.park_producer else b""
+        return RankMeta(encode_info(self.producer.info), park)
 
     def start(self, meta: StepMeta) -> None:
         if self._to_prepare and self.consumer is not None:  # on its own thread
@@ -180,7 +203,8 @@ class WorkerSide:
     def close(self) -> None:
         if self.consumer is not None:
             self.consumer.close()
-        if self.producer is not None:
-            self.producer.close()
+        for p in (self.producer, self.park_producer):
+            if p is not None:
+                p.close()
         for t in self._transports:
             t.close()

@@ -1,0 +1,126 @@
+"""Parking (integrations/vllm/park.py): vLLM's caches, made by vLLM's own allocation code
+(every ``KVCacheLayout``, MLA, kernel blocks, Mamba state sharing attention's pages), are
+copied block by block into a park; every byte of every copied block, read back through
+the park's described layout by the ``View`` formula alone, must equal the byte vLLM's
+block holds at the same place, and park blocks not copied into keep their old bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+import torch
+
+from kvbridge.api import ConfigError
+from kvbridge.integrations.vllm import park as park_mod
+from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement
+from kvbridge.integrations.vllm.park import Park, region_tensors
+from tests.unit.test_vllm_gpu_layout import (
+    KINDS,
+    attn_engine,
+    describe,
+    fill,
+    hybrid,
+    read_view,
+)
+
+PARK = 5
+SRC = [[4, 1, 5]]
+DST = [[3, 1, 2]]
+
+
+def filled(caches: dict) -> None:
+    for i, name in enumerate(sorted(caches)):
+        for j, t in enumerate(caches[name] if isinstance(caches[name], list) else [caches[name]]):
+            fill(t, (2 * i + j) << 20)
+
+
+def check_copy(caches: dict, placed: Placement, src: list, dst: list) -> None:
+    storages = region_tensors(caches, placed.bases)
+    park = Park(placed, storages, PARK)
+    for d in park.dst:
+        d.fill_(0xAB)
+    park.copy(src, dst)
+    assert len(park.layout.views) == len(placed.layout.views)
+    for v, pv in zip(placed.layout.views, park.layout.views, strict=True):
+        g = placed.spec.group_of(v.layer)
+        s = placed.splits[g]
+        raw, praw = storages[v.region].numpy(), park.dst[pv.region].reshape(-1).numpy()
+        for seg in range(len(v.seg_units)):
+            got = read_view(praw, pv, seg, 1)
+            want = read_view(raw, v, seg, 1)
+            assert got.shape[1:] == want.shape[1:] and got.shape[0] == PARK * s
+            for b, p in zip(src[g], dst[g], strict=True):
+                for k in range(s):
+                    assert np.array_equal(got[p * s + k], want[b * s + k]), (v, b, p)
+            # groups sharing a region (one vLLM pool) write each other's pages
+            kept = set(range(PARK * s)) - {p * s + k for t in dst for p in t for k in range(s)}
+            assert all((got[i] == 0xAB).all() for i in kept), (v.layer, v.stream)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(("block", "kernel"), [(16, None), (32, 16)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_park_copies_every_byte_of_each_block(
+    layout: str, block: int, kernel: int | None, kind: str
+) -> None:
+    try:
+        eng = attn_engine(kind, layout, block, kernel)
+    except ValueError:  # vLLM itself refuses kernel blocks in this layout
+        return
+    filled(eng[0])
+    placed = describe(kind, eng, 1, 0, layout)
+    interleaved = layout in ("LHBNC", "HLBNC") and kind != "mla"
+    if interleaved:  # a block's heads lie a whole pool apart: no block is one slab
+        with pytest.raises(ConfigError, match="interleaves blocks"):
+            Park(placed, region_tensors(eng[0], placed.bases), PARK)
+        return
+    check_copy(eng[0], placed, SRC, DST)
+
+
+@pytest.mark.parametrize("kind", ["MAMBA2", "GDN_ATTN"])
+def test_park_copies_state_and_attention_sharing_pages(kind: str) -> None:
+    eng, placed = hybrid(kind, "SD", "LBHNC", 1)
+    filled(eng[0])
+    # one vLLM pool: the state group's slot and the attention blocks are distinct ids
+    check_copy(eng[0], placed, [[2], [4, 5]], [[3], [1, 4]])
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_a_wrong_park_fails_the_check(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is not vacuous: a park whose K and V views are swapped, or whose copy
+    writes nothing, fails it."""
+    eng = attn_engine("kv", layout, 16, None)
+    filled(eng[0])
+    placed = describe("kv", eng, 1, 0, layout)
+    check_copy(eng[0], placed, SRC, DST)
+    real = park_mod.park_layout
+
+    def swapped(lay: Any, parts: Any, n: int) -> Any:  # each layer's K where its V is
+        got = real(lay, parts, n)
+        at = {(v.layer, v.stream): v.offset for v in got.views}
+        views = tuple(
+            dataclasses.replace(v, offset=at[(v.layer, "v" if v.stream == "k" else "k")])
+            for v in got.views
+        )
+        return dataclasses.replace(got, views=views)
+
+    monkeypatch.setattr(park_mod, "park_layout", swapped)
+    with pytest.raises(AssertionError):
+        check_copy(eng[0], placed, SRC, DST)
+    monkeypatch.undo()
+    monkeypatch.setattr(Park, "copy", lambda self, src, dst: None)
+    with pytest.raises(AssertionError):
+        check_copy(eng[0], placed, SRC, DST)
+
+
+def test_region_tensors_refuses_foreign_bases() -> None:
+    eng = attn_engine("kv", "LBNHC", 16, None)
+    with pytest.raises(ConfigError, match="no storage"):
+        region_tensors(eng[0], [12345])
+    t = torch.zeros(4)
+    assert region_tensors({"x": t}, [t.data_ptr()])[0].numel() == 16

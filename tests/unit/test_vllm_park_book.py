@@ -1,0 +1,105 @@
+"""The scheduler side of parking (integrations/vllm/park_book.py): the vLLM blocks of each
+request prefilled for remote decode, followed through the scheduler's outputs (whole and
+chunked prompts, preemption), copied to park slots in the step completing the prompt;
+the handle's tables at the end, and the slots given back."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+from typing import Any
+
+from kvbridge.integrations.vllm.park_book import ParkBook
+
+
+def new(rid: str, blocks: list[list[int]], computed: int = 0) -> Any:
+    return NS(req_id=rid, block_ids=tuple(blocks), num_computed_tokens=computed)
+
+
+def step(
+    sched: dict[str, int],
+    news: tuple[Any, ...] = (),
+    cached: dict[str, tuple[list[list[int]] | None, int]] | None = None,
+    resumed: tuple[str, ...] = (),
+) -> Any:
+    c = cached or {}
+    return NS(
+        num_scheduled_tokens=sched,
+        scheduled_new_reqs=list(news),
+        scheduled_cached_reqs=NS(
+            req_ids=list(c),
+            new_block_ids=[v[0] for v in c.values()],
+            num_computed_tokens=[v[1] for v in c.values()],
+            resumed_req_ids=set(resumed),
+        ),
+    )
+
+
+def test_a_whole_prompt_is_parked_and_its_slots_come_back() -> None:
+    book = ParkBook(8, 2)
+    book.watch("a", 40)
+    assert book.orders(step({"x": 3})) == []  # not scheduled yet
+    (order,) = book.orders(step({"a": 40}, (new("a", [[7, 9, 11], [0, 12]]),)))
+    rid, blocks, slots = order
+    assert (rid, blocks) == ("a", [[7, 9, 11], [0, 12]])
+    assert slots[1][0] == 0 and sorted(s for t in slots for s in t if s) == [1, 2, 3, 4]
+    mapped = book.settle("a", [[7, 9, 11], [0, 12]], True)
+    assert mapped == slots
+    assert len(book.free) == 3  # 7 slots, one per non-null block held
+    book.ended("a")
+    assert sorted(book.free) == list(range(1, 8))
+
+
+def test_a_chunked_prompt_is_parked_in_its_last_chunk_with_every_block() -> None:
+    book = ParkBook(16, 1)
+    book.watch("a", 100)
+    assert book.orders(step({"a": 64}, (new("a", [[3, 4]]),))) == []
+    (order,) = book.orders(step({"a": 36}, cached={"a": ([[5, 6]], 64)}))
+    assert order[1] == [[3, 4, 5, 6]]
+    assert book.settle("a", [[3, 4, 5, 6]], True) == order[2]
+
+
+def test_a_resumed_request_replaces_its_blocks() -> None:
+    book = ParkBook(16, 1)
+    book.watch("a", 100)
+    book.orders(step({"a": 64}, (new("a", [[3, 4]]),)))
+    (order,) = book.orders(step({"a": 100}, cached={"a": ([[8, 9, 10, 11]], 0)}, resumed=("a",)))
+    assert order[1] == [[8, 9, 10, 11]]
+
+
+def test_without_free_slots_the_request_is_not_parked() -> None:
+    book = ParkBook(3, 1)  # slots 1, 2
+    book.watch("a", 10)
+    assert book.orders(step({"a": 10}, (new("a", [[1, 2, 3]]),))) == []
+    assert book.settle("a", [[1, 2, 3]], True) is None
+    assert sorted(book.free) == [1, 2]
+
+
+def test_blocks_not_those_copied_are_not_served_from_the_park() -> None:
+    book = ParkBook(8, 1)
+    for rid in "abc":
+        book.watch(rid, 10)
+    book.orders(step({r: 10 for r in "abc"}, tuple(new(r, [[1, 2]]) for r in "abc")))
+    assert book.settle("a", [[1, 5]], True) is None  # another block at place 1
+    assert book.settle("b", [[1, 2, 3]], True) is None  # more blocks than copied
+    assert book.settle("c", [[0, 2]], True) == [[0, book.held["c"][0]]]  # dropped: null
+    assert len(book.free) == 7 - 1  # c's dropped block's slot back at once
+
+
+def test_a_request_that_did_not_end_prefilled_gives_its_slots_back() -> None:
+    book = ParkBook(8, 1)
+    book.watch("a", 10)
+    book.orders(step({"a": 10}, (new("a", [[1, 2]]),)))
+    assert book.settle("a", [[1, 2]], False) is None
+    assert len(book.free) == 7 and not book.held
+
+
+def test_an_id_still_parked_is_not_parked_again() -> None:
+    book = ParkBook(8, 1)
+    book.watch("a", 10)
+    book.orders(step({"a": 10}, (new("a", [[1]]),)))
+    book.settle("a", [[1]], True)
+    book.watch("a", 10)  # the same request id again, its first park lease held
+    assert book.orders(step({"a": 10}, (new("a", [[2]]),))) == []
+    assert book.settle("a", [[2]], True) is None
+    book.ended("a")
+    assert len(book.free) == 7
