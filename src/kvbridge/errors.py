@@ -48,6 +48,12 @@ class PeerError(KVBridgeError):
     """A peer sent a malformed, unauthenticated or hostile message."""
 
 
+class PushRefusedError(PeerError):
+    """A P rank answered a push with ``PushRefused``: it refused before posting any
+    WRITE of it, so nothing of that push can land (an ``ErrorReply`` promises no such
+    thing: P may have posted before it failed)."""
+
+
 class IdentityError(PeerError):
     """A peer's engine id is not the one bound to its key (per-instance identities)."""
 

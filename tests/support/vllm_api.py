@@ -15,7 +15,10 @@ import ast
 import inspect
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from packaging.version import Version
 
 EXPR = "<expr>"
 """A default that is not a literal (a sentinel, a call): its value is not compared."""
@@ -292,3 +295,9 @@ def names(api: ClassApi) -> list[str]:
 def from_json(name: str, d: dict[str, Any]) -> ClassApi:
     methods = {n: parse_method(n, text) for n, text in d["methods"].items()}
     return ClassApi(name, methods, frozenset(d["attrs"]), frozenset(d["uses"]))
+
+
+def snapshots(folder: Path) -> list[Path]:
+    """The ``vllm-<version>.json`` snapshots in ``folder``, oldest vLLM first (versions
+    compared as numbers: 0.9 before 0.10, a release candidate before its release)."""
+    return sorted(folder.glob("vllm-*.json"), key=lambda p: Version(p.stem.removeprefix("vllm-")))

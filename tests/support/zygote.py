@@ -39,6 +39,8 @@ class Zygote:
             self.close()
             raise
         assert reply == "ready", reply
+        self.children: list[Connection] = []
+        """The parent's ends of the pipes of the processes started (stopped on close)."""
 
     def start(self, target: str, *args: Any) -> Connection:
         """A new process running ``module.target(conn, *args)``; the parent's end of its
@@ -46,9 +48,13 @@ class Zygote:
         self.conn.send((target, args))
         conn = _answer(self.conn, -1, f"start {target}", time.monotonic() + 30.0)
         assert isinstance(conn, Connection), conn
+        self.children = [c for c in self.children if not c.closed] + [conn]
         return conn
 
     def close(self) -> None:
+        """Stop the processes still running first (the zygote waits for its children
+        before it leaves), then the zygote."""
+        stop([c for c in self.children if not c.closed])
         with contextlib.suppress(OSError, ValueError):
             self.conn.send(None)
         self.proc.join(STOP_TIMEOUT_S * 2)
@@ -121,11 +127,26 @@ def _zygote(conn: Connection, module: str) -> None:
             break
         target, args = msg
         mine, theirs = fork.Pipe()
-        proc = fork.Process(target=getattr(mod, target), args=(theirs, *args), daemon=True)
+        run = (getattr(mod, target), theirs, args, (conn, mine))
+        proc = fork.Process(target=_child, args=run, daemon=True)
         proc.start()
         theirs.close()
         conn.send(mine)  # its descriptor travels through multiprocessing's resource sharer
         mine.close()
         mp.active_children()  # reaps those that left
+    end = time.monotonic() + STOP_TIMEOUT_S  # one deadline for all, then they are ended
     for proc in mp.active_children():
+        proc.join(max(end - time.monotonic(), 0.0))
+    for proc in mp.active_children():
+        proc.kill()
         proc.join(STOP_TIMEOUT_S)
+
+
+def _child(target: Any, conn: Connection, args: tuple, inherited: tuple) -> None:
+    """``target(conn, *args)`` in a forked child, once it closed the pipe ends it
+    inherited from the zygote (the zygote's channel, the parent's end of its own pipe):
+    a parent closing its end is then an end of file here, and the zygote's death one
+    there."""
+    for end in inherited:
+        end.close()
+    target(conn, *args)

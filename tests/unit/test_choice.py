@@ -160,3 +160,33 @@ def test_a_push_to_several_ranks_learns_net_of_each_ranks_round() -> None:
     for _ in range(30):  # a direct push of 4 ranks that took exactly its price
         costs = costs.learned(True, 4 * 256, 4 * 256 * 1024, priced, rounds=4)
     assert costs.write is not None and costs.write.desc_s == pytest.approx(2e-6, rel=1e-6)
+
+
+@pytest.mark.parametrize("spare", [0.9, 1.1])
+def test_a_staged_push_is_charged_the_rounds_it_runs_beyond_direct(
+    spare: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct push of a rank is one round (the rank asked, its notification); staged,
+    it is one round per chunk of half a slot: here 2, one more. With local copies free
+    and bytes free, staging spares 1022 descriptors and costs 1 round: the stager stages
+    where the round costs less than those descriptors and not where it costs more, as
+    :func:`price` does."""
+    from kvbridge.connector.movers import staging
+    from kvbridge.connector.movers.push import choose_push
+    from kvbridge.connector.movers.staging import Stager
+    from kvbridge.transport.base import Region
+
+    buf = np.zeros(4 << 20, np.uint8)
+    stager = Stager([Region(int(buf.ctypes.data), buf.nbytes)], 2, 1 << 20)
+    costs = stager.costs
+    costs.per_run = costs.per_byte = costs.whole_run = costs.whole_byte = 0.0
+    costs.per_byte_strided = 0.0
+    monkeypatch.setattr(staging, "VIEW_S", 0.0)
+    runs, desc_s = runs_of(1024, 768), 1e-6  # 768 KiB in slots of 1 MiB
+    link = Link((1024 - 2) * desc_s * spare, desc_s, 0.0)
+    plan = choose_push(stager, runs, link)
+    assert (plan is not None) == (spare < 1)
+    if plan is not None:
+        assert len(plan.rounds) == 2 and plan.ranks == {0}  # the rounds that run
+    zero = FakeStaging(slot_bytes=1 << 20, per_run=0.0, per_byte=0.0)
+    assert price(link, runs, True, zero)[1] == (spare < 1)

@@ -14,6 +14,7 @@ import pytest
 
 from kvbridge.connector.load import Mode
 from kvbridge.connector.movers.choice import PROBE_ROUNDS, PROBE_TIMEOUT_S
+from kvbridge.errors import TransferTimeout
 from kvbridge.transport.base import XferHandle
 from kvbridge.transport.loopback import LoopbackTransport
 from tests.unit.test_connector_loopback import World, check_bytes
@@ -230,6 +231,46 @@ def test_a_probe_gives_its_staging_slot_back() -> None:
         load(w, "a")
         assert w.consumers[0].pair_costs and stager.pool._free.qsize() == free
         assert stager.pool.quarantined == 0
+    finally:
+        w.close()
+
+
+def fail_probe_writes(w: World, refuse: bool) -> None:
+    """P's ranks answer the probe's WRITEs with ``PushRefused`` (``refuse``: their
+    ledger's, before anything is posted) or with an error after posting (a WRITE still
+    running when P gave up on it); loads' pushes go as before."""
+    for worker in w.workers:
+        admit, write, agent = worker.ledger.admit, worker._write, worker.transport
+
+        def admitted(msg, admit=admit):  # type: ignore[no-untyped-def]
+            return "replayed" if refuse and msg.request_id.startswith("probe:") else admit(msg)
+
+        def kept(msg, peer, src, dst, n, write=write, agent=agent):  # type: ignore[no-untyped-def]
+            if msg.request_id.startswith("probe:"):
+                agent.write(peer, src, dst, n, msg.notif)
+                raise TransferTimeout("the probe's WRITE is still running")
+            return write(msg, peer, src, dst, n)
+
+        worker.ledger.admit = admitted  # type: ignore[method-assign]
+        worker._write = kept  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("refuse", [True, False])
+def test_a_probe_p_refused_gives_its_slot_back_one_p_failed_keeps_it(refuse: bool) -> None:
+    """P refused the probe's WRITE before posting it: nothing can land in the slot, it
+    goes back. P failed after posting it: the WRITE may still land, the slot stays out.
+    Either way the load pulls, saying why."""
+    w = World(mode=Mode.AUTO)
+    try:
+        fail_probe_writes(w, refuse)
+        stager = w.consumers[0].stager
+        assert stager is not None
+        free = stager.pool._free.qsize()
+        out = load(w, "a")
+        assert stager.pool.quarantined == (0 if refuse else 1)
+        assert stager.pool._free.qsize() == free - stager.pool.quarantined
+        said = "probe refused" if refuse else "probe failed"
+        assert out.mover == "pull" and said in out.reason, out.reason
     finally:
         w.close()
 

@@ -50,6 +50,7 @@ from tests.support.vllm_api import (
     live_impl,
     names,
     parse_method,
+    snapshots,
 )
 from tests.support.vllm_check import (
     AHEAD,
@@ -60,7 +61,7 @@ from tests.support.vllm_check import (
 )
 
 DATA = Path(__file__).parents[1] / "data" / "vllm_api"
-SNAPSHOTS = sorted(DATA.glob("vllm-*.json"))
+SNAPSHOTS = snapshots(DATA)
 PAIRS: list[tuple[type, list[type]]] = [
     (KVBridgeConnector, [KVConnectorBase_V1, SupportsHMA]),
     (KVBridgeStats, [KVConnectorStats]),
@@ -152,6 +153,16 @@ def test_our_classes_fit_a_snapshot(path: Path) -> None:
 
 def test_snapshots_exist() -> None:
     assert "vllm-0.33.0.json" in [p.name for p in SNAPSHOTS]
+
+
+def test_snapshots_are_in_version_order(tmp_path: Path) -> None:
+    """The newest is last by version, not by name (``vllm-0.9.0`` sorts after
+    ``vllm-0.10.0`` as text)."""
+    made = ["0.10.0", "0.9.1", "0.33.0", "0.10.0rc1", "0.9.0", "1.0.0"]
+    for v in made:
+        (tmp_path / f"vllm-{v}.json").write_text("{}")
+    got = [p.stem.removeprefix("vllm-") for p in snapshots(tmp_path)]
+    assert got == ["0.9.0", "0.9.1", "0.10.0rc1", "0.10.0", "0.33.0", "1.0.0"]
 
 
 def test_the_names_we_read_exist_in_the_installed_vllm() -> None:

@@ -23,9 +23,10 @@ from vllm.v1.request import Request
 
 from kvbridge.integrations.vllm import scheduler
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
+from tests.support.vllm_api import snapshots
 from tests.support.vllm_request import edits, missing, request_facts
 
-SNAPSHOTS = sorted((Path(__file__).parents[1] / "data" / "vllm_api").glob("vllm-*.json"))
+SNAPSHOTS = snapshots(Path(__file__).parents[1] / "data" / "vllm_api")
 
 
 def p_scheduler() -> SchedulerSide:

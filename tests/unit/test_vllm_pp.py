@@ -96,6 +96,30 @@ def test_layers_that_are_no_stage_s_are_refused() -> None:
         read_cache(vc, workers[0])
 
 
+@pytest.mark.parametrize(
+    ("held", "worker", "said"),
+    [
+        (((0,), (2, 3)), 0, r"KV layers 0 \(1 layers\).*stage 0's layers 1 keep no KV cache: "
+         "likely layers without attention"),
+        (((0, 1), (2, 3, 4)), 1, r"KV layers 2\.\.4 \(3 layers\).*layers 4 lie past the "
+         "model's 4 layers: likely MTP or draft layers"),
+        (((1, 2), (0, 3)), 0, r"layers 2 are other stages' than stage 0's 0\.\.1: likely a "
+         "layer partition that differs"),
+    ],
+)  # fmt: skip
+def test_a_stage_of_other_layers_is_refused_saying_what_it_holds_and_why(
+    held: tuple[tuple[int, ...], ...], worker: int, said: str
+) -> None:
+    """A stage [0, 2) without KV for layer 1 (no attention there), a last stage with a
+    layer past the model's 4 (an MTP layer), a stage holding another stage's layer: the
+    ConfigError names what the stage holds against its stage and the likely cause."""
+    specs = [{layer_name(i): attention_spec(P2) for i in ix} for ix in held]
+    vc = vllm_config(P2)
+    workers, _ = kv_cache_configs(P2, vc, specs)
+    with pytest.raises(ConfigError, match=said):
+        read_cache(vc, workers[worker])
+
+
 def test_several_kv_cache_groups_under_pp_are_refused() -> None:
     """Sliding-window and full layers (two groups): a stage cannot see how the other
     stages' layers are grouped."""

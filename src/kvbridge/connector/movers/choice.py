@@ -36,7 +36,7 @@ from kvbridge.connector.movers.staging import (
 )
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import PushRuns
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, PushRefusedError
 from kvbridge.plan.runs import Runs
 
 if TYPE_CHECKING:
@@ -176,7 +176,14 @@ class Probing(Protocol):
 
 def measure(d: Probing, peer: Peer, src: int) -> PairCosts:
     """Time the probe's transfers both ways between P rank ``src`` and a staging slot of
-    D's; everything lands in the slot, never in a KV block."""
+    D's; everything lands in the slot, never in a KV block.
+
+    A probe that fails keeps its slot out of the pool (a transfer may still land in it),
+    except where P refused a WRITE with ``PushRefused``: P sends that only before it
+    posts anything (its ledger's check, ahead of the write), every transfer before it
+    was waited for to the end (READ done, WRITE's notification in), and the side
+    channel pairs each reply with its call. An ``ErrorReply`` (a timeout, a dead or
+    failing P, a handler error) may follow a posted WRITE: the slot stays out."""
     stager = d.stager
     if stager is None:
         return PairCosts(note="no staging slot to probe into")
@@ -209,6 +216,9 @@ def measure(d: Probing, peer: Peer, src: int) -> PairCosts:
                 best[0, k] = min(best[0, k], _read(d, peer, src, runs, end))
                 best[1, k] = min(best[1, k], _write(d, peer, src, runs, end))
         clean = True
+    except PushRefusedError as exc:  # see the docstring: the slot is clean
+        clean = True
+        return PairCosts(note=f"probe refused: {exc}", at=time.monotonic())
     except KVBridgeError as exc:
         return PairCosts(note=f"probe failed: {exc}", at=time.monotonic())
     finally:

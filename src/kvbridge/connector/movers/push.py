@@ -16,7 +16,7 @@ from kvbridge.connector.movers.spans import rounds
 from kvbridge.connector.movers.staging import Chunk, Link, Stager
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import Message, PushRefused, PushReply, PushRuns
-from kvbridge.errors import PeerError
+from kvbridge.errors import PeerError, PushRefusedError
 from kvbridge.plan.runs import Runs
 
 
@@ -74,9 +74,10 @@ class Pusher:
 
 
 def reply_runs(reply: Message, what: str) -> int:
-    """Descriptors a P rank's ``reply`` to a push says it posted; PeerError if it refused."""
+    """Descriptors a P rank's ``reply`` to a push says it posted; :class:`PushRefusedError`
+    if it refused (nothing posted), PeerError if the reply is something else."""
     if isinstance(reply, PushRefused):
-        raise PeerError(f"{what} of {reply.request_id!r} refused by P: {reply.reason}")
+        raise PushRefusedError(f"{what} of {reply.request_id!r} refused by P: {reply.reason}")
     if not isinstance(reply, PushReply):
         raise PeerError(f"{what}: unexpected reply {type(reply).__name__}")
     return reply.runs

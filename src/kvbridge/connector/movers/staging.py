@@ -126,13 +126,15 @@ class CostModel:
         shape: CopyShape = (None, False),
         extra: int = 0,
         link: Link | None = None,
+        direct_rounds: int = 0,
     ) -> bool:
         """``copies``: local copies of every byte (a staged push: P's gather and D's
         scatter, 2); ``shape``: how they copy (:func:`copy_shape`); ``extra``: bytes the
         spans move beyond the runs' (the gaps they read over); ``link``: the pair's
-        measured costs in the load's direction (None: :attr:`link`)."""
+        measured costs in the load's direction (None: :attr:`link`); ``direct_rounds``:
+        the direct transfer's rounds that staging spares (push: the rank's own; pull: 0)."""
         t = link or self.link
-        direct = runs * t.desc_s
+        direct = runs * t.desc_s + direct_rounds * t.round_s
         staged = spans * t.desc_s + rounds * t.round_s + max(extra, 0) * t.byte_s
         views, whole = shape
         if views is not None:
@@ -289,7 +291,7 @@ class Stager:
             shape = self.costs.shape(chs, push)
             copies = 2 if push else 1
             if self.costs.staged_wins(
-                len(r), spans, r.nbytes, len(chs), copies, shape, extra, link
+                len(r), spans, r.nbytes, len(chs), copies, shape, extra, link, int(push)
             ):
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None

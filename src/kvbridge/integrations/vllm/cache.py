@@ -192,11 +192,7 @@ def whole_model(
     idx = sorted(held)
     stage = next((s for s, (a, b) in enumerate(stages) if idx == list(range(a, b))), None)
     if stage is None:
-        got = f"{idx[0]}..{idx[-1]} ({len(idx)} layers)" if idx else "none"
-        raise ConfigError(
-            f"this PP stage holds KV layers {got}, which are no stage's layers of vLLM's "
-            f"partition {list(stages)}"
-        )
+        raise ConfigError(_no_stage(idx, stages))
     first = held[idx[0]]
     if first.kind is Kind.STATE:
         raise ConfigError(f"pipeline_parallel_size {pp}: state layers (Mamba) are not planned")
@@ -304,3 +300,41 @@ def check_cpu_kernel(vllm_config: Any, cache: VllmCache) -> None:
                 f"group {g.name}: vLLM's CPU attention kernel {isa!r} keeps a cache layout "
                 f"kvbridge has not verified (verified: {', '.join(CPU_KERNELS)})"
             )
+
+
+def _no_stage(idx: list[int], stages: tuple[tuple[int, int], ...]) -> str:
+    """Why a PP stage's KV layers ``idx`` (sorted) are no stage's range of ``stages``:
+    what they are beside the stage they overlap most, and the likely cause."""
+    got = f"{_ranges(idx)} ({len(idx)} layers)" if idx else "none"
+    out = f"this PP stage holds KV layers {got}, which are no stage's layers of vLLM's "
+    out += f"partition {list(stages)}"
+    s, (a, b) = max(enumerate(stages), key=lambda e: sum(e[1][0] <= i < e[1][1] for i in idx))
+    n, held = stages[-1][1], set(idx)
+    past = [i for i in idx if i >= n]
+    other = [i for i in idx if i < n and not a <= i < b]
+    lacks = [i for i in range(a, b) if i not in held]
+    if past:
+        out += (
+            f"; layers {_ranges(past)} lie past the model's {n} layers: likely MTP or "
+            "draft layers (speculative decoding), whose KV is not planned under PP"
+        )
+    if other:
+        out += (
+            f"; layers {_ranges(other)} are other stages' than stage {s}'s {a}..{b - 1}: "
+            "likely a layer partition that differs between processes "
+            "(VLLM_PP_LAYER_PARTITION)"
+        )
+    if lacks:
+        out += (
+            f"; stage {s}'s layers {_ranges(lacks)} keep no KV cache: likely layers "
+            "without attention, or sharing another layer's KV cache, which PP cannot "
+            "plan (it needs every layer to keep one KV shape)"
+        )
+    return out
+
+
+def _ranges(idx: list[int]) -> str:
+    """Sorted layer indices as ranges: ``[0, 1, 2, 5]`` → ``0..2, 5``."""
+    cuts = [k for k in range(1, len(idx)) if idx[k] != idx[k - 1] + 1]
+    parts = zip([0, *cuts], [*cuts, len(idx)], strict=True)
+    return ", ".join(f"{idx[i]}..{idx[j - 1]}" if j - i > 1 else f"{idx[i]}" for i, j in parts)
