@@ -221,8 +221,10 @@ def cpu_layout(
         k, v = _cpu_attn_descs(name, t)
         views += tensor_views(i, k, ("k",), heads, regions)
         views += tensor_views(i, v, ("v",), heads, regions)
+    # a group none of whose layers this PP stage holds: vLLM's pool, never addressed here
     num_blocks = tuple(
-        min(v.blocks for v in views if spec.group_of(v.layer) == g) for g in range(len(spec.groups))
+        min((v.blocks for v in views if spec.group_of(v.layer) == g), default=cache.num_blocks)
+        for g in range(len(spec.groups))
     )
     layout = RankLayout(
         regions.sizes,
