@@ -26,8 +26,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from kvbridge.api import ConfigError, Group, Kind, Layer
-from kvbridge.spec import from_hf_config
+from kvbridge.api import ConfigError, Group, Kind, Layer, from_hf_config
 
 STATE_SPEC = "MambaSpec"
 """vLLM's spec class of state (Mamba-2, Gated DeltaNet) layers."""
