@@ -61,6 +61,7 @@ _API = frozenset(
         "attention",
         "build_layout",
         "checked_tables",
+        "from_hf_config",
         "gated_deltanet",
         "group_by_kind",
         "kimi_delta",

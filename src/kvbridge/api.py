@@ -3,9 +3,10 @@
 Everything here is stable within a minor version; anything imported from elsewhere in
 the package is internal. ``import kvbridge`` gives the same names, loaded on first use.
 
-Describe the model        load_model, ModelSpec, Group, Layer, Kind, DType, Parallel and
-                          one builder per cache kind (attention, mla, mamba2, mamba1,
-                          gated_deltanet, kimi_delta, state_tensor), group_by_kind
+Describe the model        load_model, from_hf_config (a config.json's dict), ModelSpec,
+                          Group, Layer, Kind, DType, Parallel and one builder per cache
+                          kind (attention, mla, mamba2, mamba1, gated_deltanet,
+                          kimi_delta, state_tensor), group_by_kind
 Say where it lives        SideConfig (one instance's shape), build_layout, layout_names,
                           register_layout, RankLayout, View;
                           engine tensors: RegionSet, TensorDesc, tensor_views;
@@ -72,6 +73,7 @@ from kvbridge.spec import (
     Segment,
     Stream,
     attention,
+    from_hf_config,
     gated_deltanet,
     group_by_kind,
     kimi_delta,

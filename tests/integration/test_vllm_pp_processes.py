@@ -34,9 +34,12 @@ from tests.support.vllm_pp import (
     Side,
     Step,
     Wait,
+    kv_cache_configs,
     kv_of,
     layer_name,
+    vllm_config,
 )
+from tests.support.vllm_pp_models import KINDS, WINDOW
 from tests.support.zygote import Zygote
 
 pytestmark = pytest.mark.integration
@@ -45,6 +48,7 @@ N = 150
 """Tokens P prefills (the prompt has one more: D computes it)."""
 
 GPU = {"backend": "FLASH_ATTN"}
+SWA = {"model": "swa"}
 CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other Side fields])
     "pp2->pp2": ((1, 2, 32), (1, 2, 64)),
     "pp2->pp1": ((1, 2, 64), (1, 1, 32)),
@@ -52,10 +56,15 @@ CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other S
     "tp1pp2->tp2pp1": ((1, 2, 32), (2, 1, 64)),
     "pp2(3,1)->pp2": ((1, 2, 32, {"partition": "3,1"}), (1, 2, 32)),
     "gpu-tp2pp2->tp1pp2": ((2, 2, 32, {**GPU, "layout": "BLNHC"}), (1, 2, 16, GPU)),
+    "swa-pp2->pp1": ((1, 2, 32, SWA), (1, 1, 64, SWA)),
+    "swa-pp1->pp2": ((1, 1, 32, SWA), (1, 2, 32, SWA)),
+    "swa-tp2pp1->tp1pp2(3,1)": ((2, 1, 32, SWA), (1, 2, 64, {**SWA, "partition": "3,1"})),
 }
 """``pp2(3,1)``: vLLM's partition set by ``VLLM_PP_LAYER_PARTITION`` (layers 0-2, 3), so
 D's stage 1 reads its layers from both P stages. The ``gpu`` case takes the connector's
-GPU description (vLLM's logical views; P's cache block-major) over host memory."""
+GPU description (vLLM's logical views; P's cache block-major) over host memory. ``swa``:
+gemma-3's pattern (``tests.support.vllm_pp_models``), four KV cache groups (three
+sliding-window, one full), each with its own block table, all in one pool."""
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +83,30 @@ def engines(zygote: Zygote) -> Iterator[tuple[Zygote, list[Engine]]]:
         e.close()
 
 
-def block_ids(seed: int, n: int, block: int) -> list[int]:
-    """Blocks of ``n`` tokens, not in order (block 0 is vLLM's null block)."""
-    return [int(b) for b in np.random.default_rng(seed).permutation(range(1, NB))[: -(-n // block)]]
+def block_ids(seed: int, n: int, side: Side) -> list[list[int]]:
+    """Per KV cache group, blocks of ``n`` tokens, not in order, no block in two groups
+    (block 0 is vLLM's null block: a sliding-window group's blocks wholly before the
+    window, which vLLM frees)."""
+    free = iter(int(b) for b in np.random.default_rng(seed).permutation(range(1, NB)))
+    out = []
+    for kind in group_kinds(side.model):
+        first = (n - WINDOW + 1) // side.block if kind == "sliding" else 0
+        out.append([0 if b < first else next(free) for b in range(-(-n // side.block))])
+    return out
+
+
+def group_kinds(model: str) -> list[str]:
+    """The kind of each of vLLM's KV cache groups of ``model`` (its own grouping)."""
+    side = Side("D", "kv_consumer", 1, 1, 32, model=model)
+    groups = kv_cache_configs(side, vllm_config(side))[1].kv_cache_groups
+    return [KINDS[model][int(g.layer_names[0].split(".")[2])] for g in groups]
+
+
+def group_of(model: str, layer: int) -> int:
+    """vLLM's KV cache group of ``layer``."""
+    side = Side("D", "kv_consumer", 1, 1, 32, model=model)
+    groups = kv_cache_configs(side, vllm_config(side))[1].kv_cache_groups
+    return next(g for g, group in enumerate(groups) if layer_name(layer) in group.layer_names)
 
 
 def holder(side: Side, layer: int, head: int) -> tuple[int, int]:
@@ -94,7 +124,7 @@ def transfer(
     made.append(p := Engine(p_side, zygote))
     made.append(d := Engine(d_side, zygote))
     p.handshake()
-    p_ids, d_ids = block_ids(1, N, p_side.block), block_ids(2, N, d_side.block)
+    p_ids, d_ids = block_ids(1, N, p_side), block_ids(2, N, d_side)
     meta = p.sched(Prefill(N))
     assert isinstance(meta, StepMeta) and meta.save
     p.each_worker(Step(meta, write=True, seed=7))
@@ -125,21 +155,26 @@ def check(case: str, engines: tuple[Zygote, list[Engine]], swap: bool = False) -
     p_side = side("P", "kv_producer", p_args)
     d_side = side("D", "kv_consumer", d_args, swap_heads=swap)
     p_caches, d_before, d_after = transfer(engines, p_side, d_side)
-    p_ids, d_ids = block_ids(1, N, p_side.block), block_ids(2, N, d_side.block)
+    p_ids, d_ids = block_ids(1, N, p_side), block_ids(2, N, d_side)
+    loaded = {b for ids in d_ids for b in ids} - {0}
+    others = [b for b in range(NB) if b not in loaded]
     seen = 0
     for r in range(d_side.world):
         stage, tp_rank = divmod(r, d_side.tp)
         assert set(d_after[r]) == {layer_name(i) for i in d_side.stage_layers(stage)}
         for name, after in d_after[r].items():
             layer = int(name.split(".")[2])
-            k_d, v_d = kv_of(after, d_ids, d_side.block, N, d_side.backend)
+            g = group_of(d_side.model, layer)
+            first = N - WINDOW + 1 if KINDS[d_side.model][layer] == "sliding" else 0
+            k_d, v_d = kv_of(after, d_ids[g], d_side.block, N, d_side.backend)
             for h in range(after.shape[1]):
                 src, local = holder(p_side, layer, tp_rank * (HEADS // d_side.tp) + h)
-                k_p, v_p = kv_of(p_caches[src][name], p_ids, p_side.block, N, p_side.backend)
-                assert np.array_equal(k_d[:, h], k_p[:, local]), (case, r, name, h, "K")
-                assert np.array_equal(v_d[:, h], v_p[:, local]), (case, r, name, h, "V")
+                p_cache = p_caches[src][name]
+                k_p, v_p = kv_of(p_cache, p_ids[g], p_side.block, N, p_side.backend)
+                where = (case, r, name, h)
+                assert np.array_equal(k_d[first:, h], k_p[first:, local]), (*where, "K")
+                assert np.array_equal(v_d[first:, h], v_p[first:, local]), (*where, "V")
                 seen += 1
-            others = [b for b in range(NB) if b not in d_ids]
             assert np.array_equal(after[others], d_before[r][name][others]), (case, r, name)
     assert seen == LAYERS * HEADS  # every layer and head, once
 

@@ -40,12 +40,11 @@ from kvbridge.integrations.vllm import cache as cache_module
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
 from kvbridge.integrations.vllm.metadata import StepMeta
 from refengine.processes import serve
+from tests.support.vllm_pp_models import HEAD, HEADS, LAYERS, hf_config, layer_spec
 from tests.support.zygote import Zygote, booted, call, stop
 
-LAYERS, HEADS, HEAD = 4, 4, 64
-"""The model: 4 attention layers of 4 KV heads of 64 (fp32)."""
-NB = 40
-"""Blocks in each engine's pool."""
+NB = 96
+"""Blocks in each engine's pool (every KV cache group's ids come from it)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,8 @@ class Side:
     """vLLM's ``KVCacheLayout`` of the allocation (``CPU_ATTN``: ``LBHNC``)."""
     partition: str = ""
     """``VLLM_PP_LAYER_PARTITION`` of the engine's processes (layers per stage), if any."""
+    model: str = "full"
+    """The model (``tests.support.vllm_pp_models``): ``full``, ``swa`` or ``mamba``."""
 
     @property
     def world(self) -> int:
@@ -93,7 +94,7 @@ def vllm_config(side: Side) -> Any:
             kv_role=side.role, engine_id=side.name, kv_connector_extra_config=extra
         ),
         model_config=SimpleNamespace(
-            hf_config=None,
+            hf_config=hf_config(side.model),
             served_model_name="pp",
             get_total_num_kv_heads=lambda: HEADS,
             get_total_num_hidden_layers=lambda: LAYERS,
@@ -133,14 +134,21 @@ def attention_spec(side: Side, head: int = HEAD) -> FullAttentionSpec:
     )
 
 
+def stage_specs(side: Side) -> list[dict[str, Any]]:
+    """Each worker's layer specs (global rank order): its stage's layers of ``side.model``."""
+    specs = []
+    for stage in range(side.pp):
+        layers = side.stage_layers(stage)
+        specs += [{layer_name(i): layer_spec(side.model, i, side.tp, side.block) for i in layers}]
+        specs += specs[-1:] * (side.tp - 1)
+    return specs
+
+
 def kv_cache_configs(side: Side, vc: Any, specs: list[dict] | None = None) -> tuple[list, Any]:
     """vLLM's ``KVCacheConfig`` of every worker (global rank order) and the scheduler's,
     from each worker's layer specs (default: its stage's attention layers)."""
     if specs is None:
-        specs = []
-        for stage in range(side.pp):
-            layers = {layer_name(i): attention_spec(side) for i in side.stage_layers(stage)}
-            specs += [layers] * side.tp
+        specs = stage_specs(side)
     workers = get_kv_cache_configs(vc, specs, [1 << 30] * side.world)
     return workers, generate_scheduler_kv_cache_config(workers)
 
@@ -163,19 +171,20 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Finish:
-    """P's scheduler: the request finished in blocks ``ids``; its ``kv_transfer_params``."""
+    """P's scheduler: the request finished in blocks ``ids`` (per KV cache group); its
+    ``kv_transfer_params``."""
 
-    ids: list[int]
+    ids: list[list[int]]
 
 
 @dataclass(frozen=True)
 class Match:
     """D's scheduler: a request carrying ``params``, ``n + 1`` prompt tokens, allocated
-    ``ids``; the step's :class:`StepMeta`."""
+    ``ids`` (per KV cache group); the step's :class:`StepMeta`."""
 
     params: dict[str, Any]
     n: int
-    ids: list[int]
+    ids: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -228,7 +237,7 @@ class SchedulerPart:
             steps = SimpleNamespace(num_scheduled_tokens={"p-req": cmd.n})
             return self.conn.build_connector_meta(steps)
         if isinstance(cmd, Finish):
-            return self.conn.request_finished_all_groups(self.req, (cmd.ids,))
+            return self.conn.request_finished_all_groups(self.req, tuple(cmd.ids))
         if isinstance(cmd, Match):
             return self._match(cmd)
         if isinstance(cmd, Step):
@@ -245,7 +254,7 @@ class SchedulerPart:
         ext, later = self.conn.get_num_new_matched_tokens(req, 0)
         if (ext, later) != (cmd.n, True):
             raise AssertionError(f"D matched {(ext, later)}, expected {(cmd.n, True)}")
-        blocks = SimpleNamespace(get_block_ids=lambda: (cmd.ids,))
+        blocks = SimpleNamespace(get_block_ids=lambda: tuple(cmd.ids))
         self.conn.update_state_after_alloc(req, blocks, ext)
         return self.conn.build_connector_meta(SimpleNamespace())
 

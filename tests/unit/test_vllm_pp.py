@@ -29,6 +29,7 @@ from tests.support.vllm_pp import (
     layer_name,
     vllm_config,
 )
+from tests.support.vllm_pp_models import hf_config, layer_spec, mamba_spec
 
 P2 = Side("P", "kv_producer", 1, 2, 32, "loopback")
 
@@ -51,30 +52,34 @@ def made() -> Iterator[list[Any]]:
 
 
 @pytest.mark.parametrize("partition", [None, "3,1"])
+@pytest.mark.parametrize(("model", "tp"), [("full", 1), ("swa", 1), ("swa", 2), ("mamba", 2)])
 def test_every_process_plans_with_the_whole_model(
-    partition: str | None, monkeypatch: pytest.MonkeyPatch
+    model: str, tp: int, partition: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each worker's config names its stage's layers only, the scheduler's stage 0's; all
     make the same spec of every layer (that of a PP 1 engine: its compatibility hash) and
-    vLLM's layer partition as the stages (``VLLM_PP_LAYER_PARTITION`` too)."""
+    vLLM's layer partition as the stages (``VLLM_PP_LAYER_PARTITION`` too). ``swa``: four
+    groups (three sliding, one full), each stage holding layers of two, none of the
+    others; ``mamba``: a state and a full group."""
     if partition:
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
     stages = ((0, 3), (3, 4)) if partition else ((0, 2), (2, 4))
-    vc = vllm_config(P2)
-    workers, sched = kv_cache_configs(P2, vc)
+    side = Side("P", "kv_producer", tp, 2, 32, "loopback", model=model)
+    vc = vllm_config(side)
+    workers, sched = kv_cache_configs(side, vc)
     caches = [read_cache(vc, c) for c in (*workers, sched)]
-    one = Side("D", "kv_consumer", 1, 1, 32)
+    one = Side("D", "kv_consumer", tp, 1, 32, model=model)
     flat = read_cache(vllm_config(one), kv_cache_configs(one, vllm_config(one))[1])
-    assert [c.stage for c in caches] == [0, 1, 0]
+    assert [c.stage for c in caches] == [s for s in (0, 1) for _ in range(tp)] + [0]
     assert [sorted(c.layer_names.values()) for c in caches] == [
-        list(range(*stages[0])),
-        list(range(*stages[1])),
-        list(range(*stages[0])),
-    ]
+        list(range(*stages[s])) for s in (0, 1) for _ in range(tp)
+    ] + [list(range(*stages[0]))]
+    assert len(flat.spec.groups) == {"full": 1, "swa": 4, "mamba": 2}[model]
     for c in caches:
         assert c.par.stages == stages and c.par.pp == 2
-        assert c.spec.layers == flat.spec.layers and len(c.spec.layers) == LAYERS
+        assert c.spec == flat.spec and len(c.spec.layers) == LAYERS
         assert c.spec.compat_hash() == flat.spec.compat_hash()
+        assert c.state_blocks == flat.state_blocks
 
 
 def test_a_worker_given_another_stage_s_layers_is_refused(
@@ -120,20 +125,83 @@ def test_a_stage_of_other_layers_is_refused_saying_what_it_holds_and_why(
         read_cache(vc, workers[worker])
 
 
-def test_several_kv_cache_groups_under_pp_are_refused() -> None:
-    """Sliding-window and full layers (two groups): a stage cannot see how the other
-    stages' layers are grouped."""
-    sw = SlidingWindowSpec(
-        block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float32, sliding_window=64
-    )
+def hybrid(
+    model: str = "swa", kinds: tuple[str, ...] | None = None, specs: list[dict] | None = None
+) -> tuple[Any, list[Any]]:
+    """vLLM's config of P PP 2 with ``model`` and the workers' ``KVCacheConfig``s, its
+    ``hf_config`` saying the layers are ``kinds`` (default: what they are)."""
+    side = Side("P", "kv_producer", 1, 2, 32, "loopback", model=model)
+    vc = vllm_config(side)
+    workers, _ = kv_cache_configs(side, vc, specs)
+    vc.model_config.hf_config = hf_config(model, kinds)
+    return vc, workers
+
+
+def test_several_groups_without_hf_config_are_refused() -> None:
+    """Which group a layer of another stage is in, only the model's layer pattern tells."""
+    vc, workers = hybrid()
+    vc.model_config.hf_config = None
+    for cfg in workers:
+        with pytest.raises(ConfigError, match="several KV cache groups: the model has no hf_c"):
+            read_cache(vc, cfg)
+
+
+def test_a_layer_pattern_disagreeing_with_vllm_is_refused() -> None:
+    """The config makes layer 1 full where vLLM caches it sliding: stage 0 refuses; stage
+    1, whose own layers agree, refuses too (its regrouped model has two groups, not 4)."""
+    vc, workers = hybrid(kinds=("sliding", "full", "sliding", "full"))
+    with pytest.raises(ConfigError, match="layer 1: vLLM caches it as sliding, the model's c"):
+        read_cache(vc, workers[0])
+    with pytest.raises(ConfigError, match="regrouped has 2 KV cache groups; vLLM gave this st"):
+        read_cache(vc, workers[1])
+
+
+def test_a_regrouping_that_differs_from_vllm_s_is_refused() -> None:
+    """Layers of the right kinds, grouped otherwise: the config says 2 full layers (vLLM
+    would group ``[2, 3]`` together) where vLLM grouped layer 3 alone."""
+    vc, workers = hybrid(kinds=("sliding", "sliding", "full", "full"))
+    with pytest.raises(ConfigError, match="regrouped has 2 KV cache groups; vLLM gave this st"):
+        read_cache(vc, workers[0])
+
+
+def test_a_kind_no_group_has_is_refused() -> None:
+    """The config makes layer 2 (stage 1's) sliding; vLLM's groups are state and full."""
+    vc, workers = hybrid("mamba", kinds=("mamba", "full", "sliding", "full"))
+    vc.model_config.hf_config.data["sliding_window"] = 64
+    with pytest.raises(ConfigError, match="makes layer 2 a sliding layer, but vLLM's KV cach"):
+        read_cache(vc, workers[0])
+
+
+def test_two_groups_of_one_kind_with_different_specs_are_refused() -> None:
+    """Sliding windows of 32 and 64 tokens: a sliding layer of another stage could be in
+    either group."""
+    side = Side("P", "kv_producer", 1, 2, 32, "loopback", model="swa")
     specs = [
-        {layer_name(i): (sw if i % 2 else attention_spec(P2)) for i in P2.stage_layers(s)}
-        for s in range(2)
+        {layer_name(i): layer_spec("swa", i, 1, 32) for i in side.stage_layers(s)} for s in (0, 1)
     ]
-    vc = vllm_config(P2)
-    vc.cache_config.num_gpu_blocks_override = 64  # two groups share the pool
-    workers, _ = kv_cache_configs(P2, vc, specs)
-    with pytest.raises(ConfigError, match="pipeline_parallel_size 2 with 2 KV cache groups"):
+    specs[0][layer_name(0)] = SlidingWindowSpec(
+        block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float32, sliding_window=32
+    )
+    vc, workers = hybrid(specs=specs)
+    with pytest.raises(ConfigError, match="groups of kind sliding have different specs"):
+        read_cache(vc, workers[0])
+
+
+def test_hybrid_layers_that_are_no_stage_s_are_refused() -> None:
+    """Layers 1 and 2 for a stage of vLLM's partition [0, 2), [2, 4)."""
+    specs = [{layer_name(i): layer_spec("swa", i, 1, 32) for i in ix} for ix in ((1, 2), (0, 3))]
+    vc, workers = hybrid(specs=specs)
+    with pytest.raises(ConfigError, match=r"holds KV layers 1\.\.2 \(2 layers\), which are no"):
+        read_cache(vc, workers[0])
+
+
+def test_a_model_of_state_layers_only_is_refused() -> None:
+    """One group of Mamba layers: kept refused (no PP transfer of such a model proven)."""
+    side = Side("P", "kv_producer", 1, 2, 32, "loopback", model="mamba")
+    page = layer_spec("mamba", 0, 1, 32).page_size_bytes
+    specs = [{layer_name(i): mamba_spec(1, 32, page) for i in side.stage_layers(s)} for s in (0, 1)]
+    vc, workers = hybrid("mamba", specs=specs)
+    with pytest.raises(ConfigError, match="a model of state layers \\(Mamba\\) only is not"):
         read_cache(vc, workers[1])
 
 

@@ -7,15 +7,15 @@ per request (:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables`
 that slot on P and on D.
 
 Pipeline parallelism: a PP stage's worker (and the scheduler, whose ``KVCacheConfig`` is
-stage 0's) sees only its own layers; the spec is the whole model's all the same, every
-layer of vLLM's layer partition (``get_pp_indices``) given its one group's kind
-(:func:`whole_model`), so that every process of P and D plans with the same spec."""
+stage 0's) sees only its own layers; the spec is the whole model's all the same
+(:mod:`~kvbridge.integrations.vllm.stages`), so that every process of P and D plans with
+the same spec. ``layer_names`` and ``kv_specs`` name the process's own layers only."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.adapter import edge_tables, state_tables
@@ -37,6 +37,7 @@ from kvbridge.api import (
     tensor_views,
 )
 from kvbridge.integrations.vllm.gpu_layout import storage_regions
+from kvbridge.integrations.vllm.stages import STATE_SPEC, pp_stages, whole_groups, whole_model
 from kvbridge.integrations.vllm.state import (
     conv_dim_first,
     state_descs,
@@ -92,37 +93,23 @@ class VllmCache:
 
 def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
     """Spec and parallel config from vLLM's configuration and its KV cache groups (with PP,
-    this process's stage's layers: :func:`whole_model` makes the spec whole)."""
+    this process's stage's layers: :mod:`~kvbridge.integrations.vllm.stages` makes the
+    spec whole)."""
     par_cfg = vllm_config.parallel_config
     _refuse_unplanned(par_cfg, kv_cache_config)
     stages = pp_stages(vllm_config)
     par = Parallel(par_cfg.tensor_parallel_size, par_cfg.pipeline_parallel_size, stages)
-    kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-    dim_first = conv_dim_first()
-    layers: dict[int, Layer] = {}
-    groups, names, state_blocks, kv_specs = [], {}, {}, {}
-    for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        cs = group.kv_cache_spec
-        per_layer = getattr(cs, "kv_cache_specs", None) or {}
-        idx = []
-        for name in group.layer_names:
-            i, ls = layer_index(name), per_layer.get(name, cs)
-            if type(ls).__name__ == "MambaSpec":
-                layers[i] = state_layer(i, ls, par.tp, dim_first)
-            else:
-                layers[i] = _layer(i, ls, kv_heads)
-            names[name], kv_specs[name] = i, ls
-            idx.append(i)
-        if type(cs).__name__ == "MambaSpec":
-            state_blocks[g] = cs.block_size
-            groups.append(Group(f"g{g}", tuple(idx), 1))
-        else:
-            groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
-    stage = 0
-    if stages:
+    vllm_groups, stage = kv_cache_config.kv_cache_groups, 0
+    if stages and len(vllm_groups) > 1:
+        stage, vllm_groups = whole_groups(vllm_config, kv_cache_config, stages, layer_index)
+    layers, groups, state_blocks = _layers_and_groups(vllm_config, vllm_groups, par.tp)
+    own = [(g, n) for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
+    names = {n: layer_index(n) for _, n in own}
+    kv_specs = {n: _layer_spec(g, n) for g, n in own}
+    if stages and len(groups) == 1:
         stage, all_layers, groups = whole_model(layers, groups, stages)
     else:
-        n = max(layers) + 1
+        n = stages[-1][1] if stages else max(layers) + 1
         all_layers = tuple(layers.get(i, Layer(i, Kind.FULL, ())) for i in range(n))
     spec = ModelSpec(
         vllm_config.model_config.served_model_name or "model", all_layers, tuple(groups)
@@ -138,10 +125,43 @@ def read_cache(vllm_config: Any, kv_cache_config: Any) -> VllmCache:
         int(kv_cache_config.num_blocks),
         state_blocks,
         mode,
-        dim_first,
+        conv_dim_first(),
         kv_specs,
         stage,
     )
+
+
+def _layers_and_groups(
+    vllm_config: Any, vllm_groups: list[Any], tp: int
+) -> tuple[dict[int, Layer], list[Group], dict[int, int]]:
+    """kvbridge's layers (by index), groups and Mamba groups' block sizes (by group) of
+    vLLM's ``KVCacheGroupSpec`` list."""
+    kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    dim_first = conv_dim_first()
+    layers: dict[int, Layer] = {}
+    groups, state_blocks = [], {}
+    for g, group in enumerate(vllm_groups):
+        cs, idx = group.kv_cache_spec, []
+        for name in group.layer_names:
+            i, ls = layer_index(name), _layer_spec(group, name)
+            if type(ls).__name__ == STATE_SPEC:
+                layers[i] = state_layer(i, ls, tp, dim_first)
+            else:
+                layers[i] = _layer(i, ls, kv_heads)
+            idx.append(i)
+        if type(cs).__name__ == STATE_SPEC:
+            state_blocks[g] = cs.block_size
+            groups.append(Group(f"g{g}", tuple(idx), 1))
+        else:
+            groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
+    return layers, groups, state_blocks
+
+
+def _layer_spec(group: Any, name: str) -> Any:
+    """vLLM's spec of layer ``name`` of ``group`` (a ``UniformTypeKVCacheSpecs`` has one
+    per layer)."""
+    cs = group.kv_cache_spec
+    return (getattr(cs, "kv_cache_specs", None) or {}).get(name, cs)
 
 
 def _refuse_unplanned(par_cfg: Any, kv_cache_config: Any) -> None:
@@ -156,56 +176,8 @@ def _refuse_unplanned(par_cfg: Any, kv_cache_config: Any) -> None:
     if pp > 1 and any(hasattr(g.kv_cache_spec, "kv_cache_specs") for g in groups):
         raise ConfigError(
             f"pipeline_parallel_size {pp}: the model's layers have several KV shapes; PP "
-            "needs one KV shape for every layer"
+            "needs one KV shape for every layer of a KV cache group"
         )
-
-
-def pp_stages(vllm_config: Any) -> tuple[tuple[int, int], ...]:
-    """vLLM's layer partition, ``[start, stop)`` per PP stage (``get_pp_indices``, which
-    honours ``VLLM_PP_LAYER_PARTITION``); empty without PP."""
-    pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp == 1:
-        return ()
-    from vllm.distributed.utils import get_pp_indices
-
-    n = vllm_config.model_config.get_total_num_hidden_layers()
-    try:
-        return tuple(get_pp_indices(n, s, pp) for s in range(pp))
-    except ValueError as e:
-        raise ConfigError(f"pipeline_parallel_size {pp} over {n} layers: {e}") from None
-
-
-def whole_model(
-    held: Mapping[int, Layer], groups: list[Group], stages: tuple[tuple[int, int], ...]
-) -> tuple[int, tuple[Layer, ...], list[Group]]:
-    """With PP: ``(stage, layers, groups)`` of the whole model from one stage's ``held``
-    layers (vLLM's ``KVCacheConfig`` of a stage names only its own). The stage's layers
-    must be exactly one stage's range of ``stages``, all of one group and one kind: every
-    layer of the model is then that kind (a stage cannot see how the others' layers are
-    grouped, so models of several KV cache groups are refused)."""
-    pp = len(stages)
-    if len(groups) != 1:
-        raise ConfigError(
-            f"pipeline_parallel_size {pp} with {len(groups)} KV cache groups: the vLLM "
-            "connector plans PP only for models of one KV cache group"
-        )
-    idx = sorted(held)
-    stage = next((s for s, (a, b) in enumerate(stages) if idx == list(range(a, b))), None)
-    if stage is None:
-        raise ConfigError(_no_stage(idx, stages))
-    first = held[idx[0]]
-    if first.kind is Kind.STATE:
-        raise ConfigError(f"pipeline_parallel_size {pp}: state layers (Mamba) are not planned")
-    for i in idx:
-        if held[i] != replace(first, index=i):
-            raise ConfigError(
-                f"pipeline_parallel_size {pp}: layer {i} ({held[i].kind.value}, "
-                f"{held[i].token_bytes} B/token) and layer {idx[0]} ({first.kind.value}, "
-                f"{first.token_bytes} B/token) differ: PP needs one KV shape for every layer"
-            )
-    n = stages[-1][1]
-    layers = tuple(replace(first, index=i) for i in range(n))
-    return stage, layers, [Group(groups[0].name, tuple(range(n)), groups[0].block_size)]
 
 
 def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
@@ -250,8 +222,10 @@ def cpu_layout(
         k, v = _cpu_attn_descs(name, t)
         views += tensor_views(i, k, ("k",), heads, regions)
         views += tensor_views(i, v, ("v",), heads, regions)
+    # a group none of whose layers this PP stage holds: vLLM's pool, never addressed here
     num_blocks = tuple(
-        min(v.blocks for v in views if spec.group_of(v.layer) == g) for g in range(len(spec.groups))
+        min((v.blocks for v in views if spec.group_of(v.layer) == g), default=cache.num_blocks)
+        for g in range(len(spec.groups))
     )
     layout = RankLayout(
         regions.sizes,
@@ -300,41 +274,3 @@ def check_cpu_kernel(vllm_config: Any, cache: VllmCache) -> None:
                 f"group {g.name}: vLLM's CPU attention kernel {isa!r} keeps a cache layout "
                 f"kvbridge has not verified (verified: {', '.join(CPU_KERNELS)})"
             )
-
-
-def _no_stage(idx: list[int], stages: tuple[tuple[int, int], ...]) -> str:
-    """Why a PP stage's KV layers ``idx`` (sorted) are no stage's range of ``stages``:
-    what they are beside the stage they overlap most, and the likely cause."""
-    got = f"{_ranges(idx)} ({len(idx)} layers)" if idx else "none"
-    out = f"this PP stage holds KV layers {got}, which are no stage's layers of vLLM's "
-    out += f"partition {list(stages)}"
-    s, (a, b) = max(enumerate(stages), key=lambda e: sum(e[1][0] <= i < e[1][1] for i in idx))
-    n, held = stages[-1][1], set(idx)
-    past = [i for i in idx if i >= n]
-    other = [i for i in idx if i < n and not a <= i < b]
-    lacks = [i for i in range(a, b) if i not in held]
-    if past:
-        out += (
-            f"; layers {_ranges(past)} lie past the model's {n} layers: likely MTP or "
-            "draft layers (speculative decoding), whose KV is not planned under PP"
-        )
-    if other:
-        out += (
-            f"; layers {_ranges(other)} are other stages' than stage {s}'s {a}..{b - 1}: "
-            "likely a layer partition that differs between processes "
-            "(VLLM_PP_LAYER_PARTITION)"
-        )
-    if lacks:
-        out += (
-            f"; stage {s}'s layers {_ranges(lacks)} keep no KV cache: likely layers "
-            "without attention, or sharing another layer's KV cache, which PP cannot "
-            "plan (it needs every layer to keep one KV shape)"
-        )
-    return out
-
-
-def _ranges(idx: list[int]) -> str:
-    """Sorted layer indices as ranges: ``[0, 1, 2, 5]`` → ``0..2, 5``."""
-    cuts = [k for k in range(1, len(idx)) if idx[k] != idx[k - 1] + 1]
-    parts = zip([0, *cuts], [*cuts, len(idx)], strict=True)
-    return ", ".join(f"{idx[i]}..{idx[j - 1]}" if j - i > 1 else f"{idx[i]}" for i, j in parts)
