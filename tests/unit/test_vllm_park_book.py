@@ -76,11 +76,12 @@ def test_without_free_slots_the_request_is_not_parked() -> None:
 
 def test_blocks_not_those_copied_are_not_served_from_the_park() -> None:
     book = ParkBook(8, 1)
-    for rid in "abc":
+    for rid in "abcd":
         book.watch(rid, 10)
-    book.orders(step({r: 10 for r in "abc"}, tuple(new(r, [[1, 2]]) for r in "abc")))
+    book.orders(step({r: 10 for r in "abcd"}, tuple(new(r, [[1, 2]]) for r in "abcd")))
     assert book.settle("a", [[1, 5]], True) is None  # another block at place 1
     assert book.settle("b", [[1, 2, 3]], True) is None  # more blocks than copied
+    assert book.settle("d", [[]], True) is None  # fewer: its blocks freed (preempted)
     assert book.settle("c", [[0, 2]], True) == [[0, book.held["c"][0]]]  # dropped: null
     assert len(book.free) == 7 - 1  # c's dropped block's slot back at once
 

@@ -109,7 +109,7 @@ def _mapped(final: Sequence[Sequence[int]], blocks: BlockIds, slots: BlockIds) -
         return None
     out = []
     for fin, tab, sl in zip(final, blocks, slots, strict=True):
-        if len(fin) > len(tab):
+        if len(fin) != len(tab):  # more blocks than copied, or fewer (preempted)
             return None
         row = []
         for i, b in enumerate(fin):
