@@ -144,11 +144,24 @@ class Park:
     def copy(self, src: BlockIds, dst: BlockIds) -> None:
         """Copy vLLM blocks ``src[g][i]`` into park blocks ``dst[g][i]``, every group (on
         the device's current stream: after the step's KV writes queued before)."""
+        index: dict[tuple[int, tuple[int, ...]], Index] = {}  # one upload per kind of slab
         for s, a, b in zip(self.slabs, self.src, self.dst, strict=True):
-            pairs = [(src[g], dst[g]) for g in s.groups if src[g]]
-            if not pairs:
-                continue
-            si = np.concatenate([_described(x, s.split) for x, _ in pairs])
-            di = np.concatenate([_described(y, s.split) for _, y in pairs])
-            on = a.device
-            b[:, torch.as_tensor(di, device=on)] = a[:, torch.as_tensor(si, device=on)]
+            key = (s.split, s.groups)
+            if key not in index:
+                index[key] = _index(s, src, dst, a.device)
+            got = index[key]
+            if got is not None:
+                b[:, got[1]] = a[:, got[0]]
+
+
+Index = tuple[torch.Tensor, torch.Tensor] | None
+"""Described block ids to read and to write in a slab, on its device (None: none)."""
+
+
+def _index(s: Slab, src: BlockIds, dst: BlockIds, on: torch.device) -> Index:
+    pairs = [(src[g], dst[g]) for g in s.groups if src[g]]
+    if not pairs:
+        return None
+    si = np.concatenate([_described(x, s.split) for x, _ in pairs])
+    di = np.concatenate([_described(y, s.split) for _, y in pairs])
+    return torch.as_tensor(si, device=on), torch.as_tensor(di, device=on)
