@@ -2,7 +2,9 @@
 (``vllm_alloc``: its strides, offsets, padded pages, kernel blocks, aliased groups) on the
 GPU (``--cpu``: CPU tensors standing in for device memory, ``KVBRIDGE_DEVICE_ON_CPU=1``),
 one request moved P → D through the vLLM connector's worker-side code, every byte of D's
-allocation compared with an expectation made through vLLM's views (``vllm_expect``).
+allocation compared with an expectation made through vLLM's views (``vllm_expect``); each
+case twice: from vLLM's blocks, and parked (P's ``park_blocks``: the request copied into
+P's park, vLLM's blocks then reused, D loading from the park).
 
 vLLM is not imported (the GPU machine has none; here it is blocked in this process). What
 runs of ``kvbridge.integrations.vllm`` is what imports without it: ``read_cache`` (the spec
@@ -138,11 +140,16 @@ class Result:
 
 
 def run_case(
-    case: Case, device: torch.device, tamper: Callable[[Engine, list[int]], None] | None = None
+    case: Case,
+    device: torch.device,
+    tamper: Callable[[Engine, list[int]], None] | None = None,
+    park: bool = False,
 ) -> Result:
     """One request P → D; ``tamper`` (a control) changes D after the load (given D's
-    engine and the request's vLLM blocks there)."""
+    engine and the request's vLLM blocks there); ``park``: P parks the request first
+    (:func:`parked`) and D loads from the park."""
     t0, rng = time.perf_counter(), np.random.default_rng(7)
+    label = f"{case.label}, parked" if park else case.label
     p, d = engine(case, case.p, device, 1), engine(case, case.d, device, 2)
     (sp, pids), (sd, dids) = request_blocks(case, rng), request_blocks(case, rng)
     if case.kind == "mla":  # a replicated latent: every P rank computed the same bytes
@@ -159,9 +166,9 @@ def run_case(
         p.caches, views, (p.specs, d.specs), (pids, dids), (sp, sd), ds, case.block, range(TOKENS)
     )
     try:
-        movers = move(p, d, (block_ids(case, sp, pids), block_ids(case, sd, dids)))
+        movers = move(p, d, (block_ids(case, sp, pids), block_ids(case, sd, dids)), park)
     except Exception as e:  # a failed load fails the case, with why
-        return Result(case.label, False, 0, 0, [], time.perf_counter() - t0, repr(e))
+        return Result(label, False, 0, 0, [], time.perf_counter() - t0, repr(e))
     if tamper is not None:
         tamper(d, dids)
     got = [storage(next(iter(c.values()))) for c in d.caches]
@@ -169,29 +176,52 @@ def run_case(
     checked = sum(w.numel() for w in wants)
     kinds = {pl.memory.value for e in (p, d) for pl in e.placed}
     dt = time.perf_counter() - t0
-    return Result(case.label, bad == 0, checked, bad, movers, dt, memory=",".join(sorted(kinds)))
+    return Result(label, bad == 0, checked, bad, movers, dt, memory=",".join(sorted(kinds)))
 
 
-def move(p: Engine, d: Engine, tables: tuple[tuple[list[int], ...], ...]) -> list[str]:
+def parked(p: Engine, blocks: tuple[list[int], ...]) -> tuple[list[Any], list[list[int]]]:
+    """P's ranks park the request's ``blocks`` (vLLM's, per group) as the worker does in
+    ``wait_for_save`` (:class:`~kvbridge.integrations.vllm.park.Park`, slots from the
+    top of a park of ``NB`` blocks), then vLLM reuses the blocks (scrambled here); the
+    parks and the request's park slots."""
+    from kvbridge.integrations.vllm.park import Park, region_tensors
+
+    slots, free = [], list(range(NB - 1, 0, -1))
+    for tab in blocks:
+        slots.append([free.pop(0) if b else 0 for b in tab])
+    parks = []
+    for caches, pl in zip(p.caches, p.placed, strict=True):
+        storages = region_tensors(caches, pl.bases)
+        parks.append(Park(pl, storages, NB))
+        parks[-1].copy(list(blocks), slots)
+        for raw in storages:  # the blocks vLLM freed, written by other requests
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8).to(raw.device))
+    return parks, slots
+
+
+def move(
+    p: Engine, d: Engine, tables: tuple[tuple[list[int], ...], ...], park: bool = False
+) -> list[str]:
     """P's ranks registered and its writes waited for (``wait_for_save``), P's handle of
-    the request, each D rank's load; the movers D's ranks took."""
+    the request (``park``: of its parked copy), each D rank's load; the movers D's ranks
+    took."""
     from kvbridge.api import Consumer, Producer, ProducerWorker, RankInfo, make_transport
     from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
 
     producers, consumers, transports = [], [], []
     producer = Producer("P", p.cache.spec, p.cache.par, SECRET, model_id="m")
     try:
+        parks, p_ids = parked(p, tables[0]) if park else ([], list(tables[0]))
         for r, pl in enumerate(p.placed):
             transports.append(make_transport("loopback", f"vc-p{r}-{os.getpid()}"))
-            w = ProducerWorker(
-                r, pl.layout, pl.bases, transports[-1], memory=pl.memory, device=pl.device
-            )
+            lay, bases = (parks[r].layout, parks[r].bases) if park else (pl.layout, pl.bases)
+            w = ProducerWorker(r, lay, bases, transports[-1], memory=pl.memory, device=pl.device)
             producers.append(w)
             w.written()  # wait_for_save: the step's KV writes (here: the random fill)
             info = msgspec.msgpack.decode(msgspec.msgpack.encode(w.info), type=RankInfo)
             producer.add_rank(info)
         splits = table_splits(p.cache.spec, producer.ranks[0].block_sizes)
-        p_tabs = kernel_tables(p.cache.tables(tables[0], TOKENS), splits)
+        p_tabs = kernel_tables(p.cache.tables(p_ids, TOKENS, NB), splits)
         handle = producer.prefill_done("req", p_tabs, TOKENS)
         for r, pl in enumerate(d.placed):
             transports.append(make_transport("loopback", f"vc-d{r}-{os.getpid()}"))
@@ -235,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0, failed = time.perf_counter(), 0
     print(f"vllm-caches on {device}: vLLM importable: {_importable()}")
-    for case in (c for c in CASES if args.only in c.label):
-        out = run_case(case, device)
+    for case, park in ((c, k) for c in CASES for k in (False, True) if args.only in c.label):
+        out = run_case(case, device, park=park)
         failed += not out.ok
         verdict = (
             "byte-exact" if out.ok else f"FAILED {out.error or f'{out.mismatched} bytes differ'}"

@@ -18,7 +18,7 @@ import torch
 from kvbridge.api import ConfigError
 from kvbridge.integrations.vllm import park as park_mod
 from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement
-from kvbridge.integrations.vllm.park import Park, region_tensors
+from kvbridge.integrations.vllm.park import Park, region_tensors, slabs
 from tests.unit.test_vllm_gpu_layout import (
     KINDS,
     attn_engine,
@@ -74,12 +74,20 @@ def test_park_copies_every_byte_of_each_block(
         return
     filled(eng[0])
     placed = describe(kind, eng, 1, 0, layout)
-    interleaved = layout in ("LHBNC", "HLBNC") and kind != "mla"
-    if interleaved:  # a block's heads lie a whole pool apart: no block is one slab
-        with pytest.raises(ConfigError, match="interleaves blocks"):
-            Park(placed, region_tensors(eng[0], placed.bases), PARK)
-        return
     check_copy(eng[0], placed, SRC, DST)
+
+
+def test_a_layout_interleaving_blocks_is_refused() -> None:
+    """A view whose tokens lie a block apart (``[N, B, …]``, no vLLM layout): a block's
+    bytes are no slab."""
+    eng = attn_engine("kv", "LBNHC", 16, None)
+    placed = describe("kv", eng, 1, 0, "LBNHC")
+    lay = placed.layout
+    v = lay.views[0]
+    bad = dataclasses.replace(v, row_strides=(v.block_stride,) * len(v.row_strides), rows=2)
+    views = (bad, *lay.views[1:])
+    with pytest.raises(ConfigError, match="interleaves blocks"):
+        slabs(dataclasses.replace(lay, views=views), placed.spec.group_of, placed.splits)
 
 
 @pytest.mark.parametrize("kind", ["MAMBA2", "GDN_ATTN"])

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.api import ConfigError, RankLayout
+from kvbridge.api import ConfigError, RankLayout, View
 from kvbridge.integrations.vllm.gpu_layout import Placement, layer_tensors
 
 BlockIds = list[list[int]]
@@ -33,8 +33,9 @@ BlockIds = list[list[int]]
 
 @dataclass(frozen=True)
 class Slab:
-    """A registered region as ``planes × blocks × stride`` bytes: block ``b`` of every view
-    in it lies within ``[b·stride, (b+1)·stride)`` of one plane (K and V planes, or one)."""
+    """A registered region as ``planes × blocks × stride`` bytes: the bytes of block ``b``
+    of every view in it lie within ``[b·stride, (b+1)·stride)`` of planes (one; K and V;
+    every layer and head slot of vLLM's ``LHBNC``)."""
 
     region: int
     planes: int
@@ -60,35 +61,65 @@ def slabs(layout: RankLayout, group_of: Callable[[int], int], splits: Sequence[i
                 f"splits {sorted(split)}: parking needs one of each per region"
             )
         ((stride, blocks),) = shapes
-        plane = stride * blocks
-        planes = 0
+        plane, planes = stride * blocks, 0
         for v in views:
-            lo, hi = v.extent()
-            span = hi - lo - (blocks - 1) * stride
-            p, off = divmod(v.offset, plane)
-            if off + span > stride:
+            top, span = _reach(v, plane)
+            if span > stride:
                 raise ConfigError(
-                    f"park: view {v.layer}/{v.stream} keeps a block in {span} bytes from "
-                    f"{off}, beyond its {stride}-byte block: vLLM's layout interleaves blocks"
+                    f"park: view {v.layer}/{v.stream} keeps a block in {span} bytes of a "
+                    f"plane, beyond its {stride}-byte block: vLLM's layout interleaves blocks"
                 )
-            planes = max(planes, p + 1)
+            planes = max(planes, top + 1)
         if planes * plane > size:
             raise ConfigError(f"park: region {r} of {size} bytes, {planes} × {plane} described")
         out.append(Slab(r, planes, blocks, stride, split.pop(), groups))
     return out
 
 
+def _reach(v: View, plane: int) -> tuple[int, int]:
+    """``(last plane, bytes within a plane)`` one block of ``v`` reaches: each of its
+    offsets and strides is whole planes plus bytes within one."""
+    q, r = divmod(v.offset, plane)
+    top = span = 0
+    for seg in range(len(v.seg_units)):
+        a, b = v.seg_units[seg]
+        n, part, ps = v.piece(seg)
+        steps = (
+            (v.seg_offsets[seg], 1),
+            (v.row_strides[seg], v.rows - 1),
+            (v.unit_strides[seg], b - a - 1),
+            (ps, n - 1),
+        )
+        top = max(top, sum(x // plane * k for x, k in steps))
+        span = max(span, sum(x % plane * k for x, k in steps) + part)
+    return q + top, r + span
+
+
 def park_layout(layout: RankLayout, parts: Sequence[Slab], park_blocks: int) -> RankLayout:
     """``layout`` with ``park_blocks`` vLLM blocks per region, each region ``planes ×
-    park_blocks·split × stride`` bytes (the park's own memory, views at the same place
-    within a block)."""
+    park_blocks·split × stride`` bytes (the park's own memory: every view at the same place
+    within a block and plane)."""
     slab = {s.region: s for s in parts}
     views = []
     for v in layout.views:
         s = slab[v.region]
-        p, off = divmod(v.offset, s.blocks * s.stride)
         n = park_blocks * s.split
-        views.append(replace(v, offset=p * n * s.stride + off, blocks=n))
+        plane, to = s.blocks * s.stride, n * s.stride
+
+        def moved(x: int, plane: int = plane, to: int = to) -> int:
+            return x // plane * to + x % plane
+
+        views.append(
+            replace(
+                v,
+                offset=moved(v.offset),
+                blocks=n,
+                seg_offsets=tuple(map(moved, v.seg_offsets)),
+                row_strides=tuple(map(moved, v.row_strides)),
+                unit_strides=tuple(map(moved, v.unit_strides)),
+                piece_strides=tuple(map(moved, v.piece_strides)),
+            )
+        )
     counts = [0] * len(layout.num_blocks)
     for s in parts:
         for g in s.groups:
