@@ -84,6 +84,7 @@ PINNED = {  # name: (type, labels besides the engine's, buckets): dashboards rel
     "vllm:kvbridge_failed_load_seconds": ("histogram", ["cause"], [*B, 15, 30, 60, 120, 300]),
     "vllm:kvbridge_load_stage_seconds": ("histogram", ["stage"], B),
     "vllm:kvbridge_leases": ("counter", ["end"], None),
+    "vllm:kvbridge_parks": ("counter", ["where"], None),
     "vllm:kvbridge_releases": ("counter", [], None),
     "vllm:kvbridge_refused": ("counter", ["what", "cause"], None),
 }
@@ -99,7 +100,7 @@ def test_the_metric_names_types_labels_and_buckets_are_pinned() -> None:
     )
     ok = Outcome("a", True, bytes=1, descriptors=1, seconds=0.1, stages={"post": 0.1}, mover="pull")
     failed = Outcome("b", False, seconds=1.0, error="TransferTimeout: x")
-    events = {"lease_done": 1, "release": 1, "refused_lease:other engine": 1}
+    events = {"lease_done": 1, "release": 1, "refused_lease:other engine": 1, "park_held": 1}
     prom.observe({"loads": [observation(ok), observation(failed)], "events": events})
     got = {}
     for fam in reg.collect():

@@ -66,11 +66,16 @@ def test_beyond_its_slots_p_serves_from_vllms_blocks(
     d = llama_pair[1]
     batch = prompts(8, (120,) * 6)
     ref = [o.tokens for o in parked_p.generate(batch, 16)]
+    before = parked_p.rpc(connector_totals)[0]
     pre = parked_p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
     engines = sorted(engine_of(o.kv_transfer_params) for o in pre)
     assert engines == ["llama-park"] * 2 + ["llama-park.park"] * 4
     out = d.generate(batch, 16, [o.kv_transfer_params for o in pre])
     assert [o.tokens for o in out] == ref
+    parked_p.generate(prompts(10, (40,)), 1)  # a step: P's scheduler reports to its workers
+    after = parked_p.rpc(connector_totals)[0]
+    counted = {k: after.get(k, 0) - before.get(k, 0) for k in ("park_parked", "park_held")}
+    assert counted == {"park_parked": 4, "park_held": 2}
 
 
 def test_p_idles_while_parked_leases_wait(parked_p: Engine) -> None:

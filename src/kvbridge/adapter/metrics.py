@@ -153,6 +153,13 @@ BUILT_IN: tuple[Metric, ...] = (
         "leases", "P: leases ended (done, expired, aborted).", ("end",), event=_prefixed("lease_")
     ),
     Metric(
+        "parks",
+        "P with a park: finished requests by where their KV waits for D (parked; held in "
+        "vLLM's blocks: park full, or blocks not those copied).",
+        ("where",),
+        event=_prefixed("park_"),
+    ),
+    Metric(
         "releases",
         "D: handles released unread (prompt cached whole on D).",
         event=lambda n: () if n == "release" else None,

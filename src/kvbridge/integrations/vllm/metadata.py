@@ -30,6 +30,9 @@ class StepMeta(KVConnectorMetadata):
     then."""
     refused: dict[str, int] = field(default_factory=dict)
     """P: lease ops refused since the previous step, by cause (``LeaseTable.refused``)."""
+    events: dict[str, int] = field(default_factory=dict)
+    """P: counts since the previous step (the park's requests and lease ends), for the
+    metrics (rank 0 reports them)."""
     parks: list[tuple[str, list[list[int]], list[list[int]]]] = field(default_factory=list)
     """P: ``(request id, vLLM blocks, park slots)`` per group, to copy once the step's KV
     writes are queued (:mod:`~kvbridge.integrations.vllm.park`)."""

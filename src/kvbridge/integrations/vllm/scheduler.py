@@ -7,6 +7,7 @@ the tokens a request's handle names beyond its local prefix-cache hit."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 from kvbridge.adapter import (
@@ -43,6 +44,8 @@ class SchedulerSide:
         self.park: Producer | None = None
         """P with ``park_blocks``: the P instance of its workers' parks."""
         self.book: ParkBook | None = None
+        self._events: Counter[str] = Counter()
+        """P: the park's requests and lease ends since the last step."""
 
     # --- P ---------------------------------------------------------------------------
     def set_ranks(self, infos: dict[int, bytes], parks: dict[int, bytes] | None = None) -> None:
@@ -104,6 +107,8 @@ class SchedulerSide:
         if not ok:
             return False, None  # aborted or never prefilled: nothing for D
         n, prompt = request.num_prompt_tokens, getattr(request, "prompt_token_ids", None)
+        if self.book is not None:
+            self._events["park_parked" if parked is not None else "park_held"] += 1
         if parked is not None and self.park is not None:  # vLLM frees its blocks now
             ids = self.cache.tables(parked, n, self.cfg.park_blocks)
             handle = self.park.prefill_done(
@@ -172,7 +177,9 @@ class SchedulerSide:
         for cause, n in refused.items():  # one line per cause and step, however many
             log.warning("kvbridge P %s refused %d lease op(s): %s", self.cfg.engine_id, n, cause)
         loads, releases = self.requests.take()
-        return StepMeta(loads, freed, releases, save, refused, self._parks(scheduled))
+        parks = self._parks(scheduled)
+        events, self._events = dict(self._events), Counter()
+        return StepMeta(loads, freed, releases, save, refused, events, parks)
 
     def _parks(self, scheduled: Any) -> list[Order]:
         """The park's slots of ended leases back, then this step's copies."""
@@ -180,6 +187,7 @@ class SchedulerSide:
             return []
         for f in self.park.freed():
             self.book.ended(f.request_id)
+            self._events[f"lease_{f.reason.value}"] += 1
         return self.book.orders(scheduled) if scheduled is not None else []
 
     def close(self) -> None:

@@ -154,6 +154,8 @@ class WorkerSide:
             self.tally.event(f"lease_{ended}", 1, f"leases_{ended}", report=first)
         for cause, n in meta.refused.items():  # refused by P's scheduler process
             self.tally.event(f"refused_lease:{cause}", n, report=first)
+        for name, n in meta.events.items():  # totals as the leases' above
+            self.tally.event(name, n, name.replace("lease_", "leases_", 1), report=first)
         for text in meta.releases:
             try:
                 if self.consumer is not None:
