@@ -33,14 +33,14 @@ class Zygote:
         self.proc = ctx.Process(target=_zygote, args=(theirs, module), name="zygote")
         self.proc.start()
         theirs.close()
+        self.children: list[Connection] = []
+        """The parent's ends of the pipes of the processes started (stopped on close)."""
         try:
             reply = _answer(self.conn, -1, "boot", time.monotonic() + boot_timeout_s)
         except BaseException:
-            self.close()
+            self.close()  # a failed boot leaves no zygote behind
             raise
         assert reply == "ready", reply
-        self.children: list[Connection] = []
-        """The parent's ends of the pipes of the processes started (stopped on close)."""
 
     def start(self, target: str, *args: Any) -> Connection:
         """A new process running ``module.target(conn, *args)``; the parent's end of its

@@ -108,6 +108,8 @@ def test_park_blocks_and_port_are_read_and_bad_values_refused() -> None:
     cfg = read_config(kv(park_blocks=64, park_port=5601))
     assert (cfg.park_blocks, cfg.park_port) == (64, 5601)
     assert (read_config(kv()).park_blocks, read_config(kv()).park_port) == (0, 0)
+    with pytest.raises(ConfigError, match="park_port = port = 5600"):
+        read_config(kv(park_blocks=8, park_port=5600, port=5600))
     for bad in (
         {"park_blocks": 1},
         {"park_blocks": -2},

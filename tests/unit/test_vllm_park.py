@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from kvbridge.api import ConfigError
 from kvbridge.integrations.vllm import park as park_mod
 from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement
 from kvbridge.integrations.vllm.park import Park, region_tensors, slabs
+from tests.unit import test_vllm_gpu_layout as tvgl
 from tests.unit.test_vllm_gpu_layout import (
     KINDS,
     attn_engine,
@@ -90,12 +92,36 @@ def test_a_layout_interleaving_blocks_is_refused() -> None:
         slabs(dataclasses.replace(lay, views=views), placed.spec.group_of, placed.splits)
 
 
+def split_hybrid(kind: str) -> tuple[Any, Placement]:
+    """:func:`hybrid` with the attention group in kernel blocks of 16 (its vLLM blocks of
+    32 split in two; the state group's pages whole), from vLLM's own allocation."""
+    real = tvgl.allocate_kv_cache
+    with mock.patch.object(
+        tvgl, "allocate_kv_cache", lambda c, d, lay, _k: real(c, d, lay, [32, 16])
+    ):
+        return hybrid(kind, "SD", "LBHNC", 1)
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kind", ["MAMBA2", "GDN_ATTN"])
-def test_park_copies_state_and_attention_sharing_pages(kind: str) -> None:
-    eng, placed = hybrid(kind, "SD", "LBHNC", 1)
+def test_park_copies_state_and_attention_sharing_pages(kind: str, split: bool) -> None:
+    eng, placed = split_hybrid(kind) if split else hybrid(kind, "SD", "LBHNC", 1)
+    assert placed.splits == ((1, 2) if split else (1, 1))
     filled(eng[0])
     # one vLLM pool: the state group's slot and the attention blocks are distinct ids
     check_copy(eng[0], placed, [[2], [4, 5]], [[3], [1, 4]])
+
+
+def test_a_group_this_rank_holds_no_layer_of_counts_the_park() -> None:
+    """A PP stage of attention layers only (the state group's layers on another stage):
+    the park still counts ``park_blocks`` for the state group, as the rank's layout
+    counts vLLM's pool (a handle checked against 0 blocks would fail)."""
+    eng, placed = split_hybrid("MAMBA2")
+    lay = placed.layout
+    views = tuple(v for v in lay.views if placed.spec.group_of(v.layer) == 1)
+    stage = dataclasses.replace(placed, layout=dataclasses.replace(lay, views=views))
+    park = Park(stage, region_tensors(eng[0], placed.bases), PARK)
+    assert park.layout.num_blocks == (PARK, 2 * PARK)
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
@@ -108,8 +134,8 @@ def test_a_wrong_park_fails_the_check(layout: str, monkeypatch: pytest.MonkeyPat
     check_copy(eng[0], placed, SRC, DST)
     real = park_mod.park_layout
 
-    def swapped(lay: Any, parts: Any, n: int) -> Any:  # each layer's K where its V is
-        got = real(lay, parts, n)
+    def swapped(lay: Any, parts: Any, splits: Any, n: int) -> Any:  # K where V is
+        got = real(lay, parts, splits, n)
         at = {(v.layer, v.stream): v.offset for v in got.views}
         views = tuple(
             dataclasses.replace(v, offset=at[(v.layer, "v" if v.stream == "k" else "k")])
@@ -132,3 +158,11 @@ def test_region_tensors_refuses_foreign_bases() -> None:
         region_tensors(eng[0], [12345])
     t = torch.zeros(4)
     assert region_tensors({"x": t}, [t.data_ptr()])[0].numel() == 16
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_park_copies_rank_1_of_tp_2(layout: str) -> None:
+    """A rank's slice of the heads (its view's offsets and strides those of its heads)."""
+    eng = attn_engine("kv", layout, 16, None, tp=2)
+    filled(eng[0])
+    check_copy(eng[0], describe("kv", eng, 2, 1, layout), SRC, DST)

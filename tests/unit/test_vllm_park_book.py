@@ -75,15 +75,17 @@ def test_without_free_slots_the_request_is_not_parked() -> None:
 
 
 def test_blocks_not_those_copied_are_not_served_from_the_park() -> None:
-    book = ParkBook(8, 1)
+    book = ParkBook(10, 1)
     for rid in "abcd":
         book.watch(rid, 10)
-    book.orders(step({r: 10 for r in "abcd"}, tuple(new(r, [[1, 2]]) for r in "abcd")))
+    got = book.orders(step({r: 10 for r in "abcd"}, tuple(new(r, [[1, 2]]) for r in "abcd")))
+    assert len(got) == 4
     assert book.settle("a", [[1, 5]], True) is None  # another block at place 1
     assert book.settle("b", [[1, 2, 3]], True) is None  # more blocks than copied
-    assert book.settle("d", [[]], True) is None  # fewer: its blocks freed (preempted)
     assert book.settle("c", [[0, 2]], True) == [[0, book.held["c"][0]]]  # dropped: null
-    assert len(book.free) == 7 - 1  # c's dropped block's slot back at once
+    # fewer (a lookahead block of speculative decoding not counted): the prefix
+    assert book.settle("d", [[1]], True) == [[book.held["d"][0]]]
+    assert len(book.free) == 9 - 2  # c's dropped block's and d's tail's slots back
 
 
 def test_a_request_that_did_not_end_prefilled_gives_its_slots_back() -> None:
@@ -104,3 +106,26 @@ def test_an_id_still_parked_is_not_parked_again() -> None:
     assert book.settle("a", [[2]], True) is None
     book.ended("a")
     assert len(book.free) == 7
+
+
+def test_only_blocks_d_reads_take_slots_and_are_copied() -> None:
+    """A sliding window over the last 2 of 4 blocks (group 0), all blocks (group 1): the
+    window's earlier blocks get no slot, are not copied, and are null in the handle's
+    tables, whatever vLLM's table holds there at the end."""
+    book = ParkBook(8, 2, keep=lambda g, n: range(2, 4) if g == 0 else range(1 << 62))
+    book.watch("a", 128)
+    ((_, copied, slots),) = book.orders(step({"a": 128}, (new("a", [[1, 2, 3, 4], [5, 6]]),)))
+    assert copied[0] == [0, 0, 3, 4] and slots[0][:2] == [0, 0] and all(slots[0][2:])
+    assert copied[1] == [5, 6] and all(slots[1])
+    assert len(book.free) == 3
+    assert book.settle("a", [[0, 2, 3, 4], [5, 6]], True) == [[0, 0, *slots[0][2:]], slots[1]]
+
+
+def test_a_request_first_seen_as_cached_is_not_followed() -> None:
+    """vLLM names a request new before it names it cached; one that is not (the book was
+    made after it was scheduled) is never parked, and no step fails on it."""
+    book = ParkBook(8, 1)
+    book.watch("a", 100)
+    assert book.orders(step({"a": 36}, cached={"a": ([[5, 6]], 64)})) == []
+    assert book.orders(step({"a": 1}, cached={"a": (None, 100)})) == []
+    assert book.settle("a", [[3, 4, 5, 6]], True) is None

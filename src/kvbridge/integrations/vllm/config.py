@@ -162,11 +162,7 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
         raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
     if cfg.num_threads is not None and not 0 <= cfg.num_threads <= 64:
         raise ConfigError(f"kv_connector_extra_config num_threads={cfg.num_threads}: 0..64")
-    if cfg.park_blocks < 0 or cfg.park_blocks == 1 or not 0 <= cfg.park_port < 65536:
-        raise ConfigError(
-            f"kv_connector_extra_config park_blocks={cfg.park_blocks} (0, or 2 and more: "
-            f"one stays empty), park_port={cfg.park_port}"
-        )
+    _check_park(cfg)
     if cfg.lease_s <= 0 or cfg.timeout_s <= 0 or not 0 <= cfg.port < 65536:
         raise ConfigError(
             f"kv_connector_extra_config {extra}: lease_s, timeout_s > 0, port in range"
@@ -179,6 +175,18 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
     if cfg.keys_file:  # refuse a bad file at start-up, not at the first request
         check_keys(cfg.keys_file, cfg.engine_id)
     return cfg
+
+
+def _check_park(cfg: ConnectorConfig) -> None:
+    if cfg.park_blocks < 0 or cfg.park_blocks == 1 or not 0 <= cfg.park_port < 65536:
+        raise ConfigError(
+            f"kv_connector_extra_config park_blocks={cfg.park_blocks} (0, or 2 and more: "
+            f"one stays empty), park_port={cfg.park_port}"
+        )
+    if cfg.park_port and cfg.park_port == cfg.port:
+        raise ConfigError(f"kv_connector_extra_config park_port = port = {cfg.port}: two servers")
+    if cfg.park_blocks and not cfg.producer:
+        log.warning("kvbridge: park_blocks is P's setting: %s parks nothing", cfg.engine_id)
 
 
 def _whole(key: str, value: Any) -> int | None:

@@ -33,37 +33,39 @@ BlockIds = list[list[int]]
 
 @dataclass(frozen=True)
 class Slab:
-    """A registered region as ``planes × blocks × stride`` bytes: the bytes of block ``b``
-    of every view in it lie within ``[b·stride, (b+1)·stride)`` of planes (one; K and V;
-    every layer and head slot of vLLM's ``LHBNC``)."""
+    """A registered region as ``planes × blocks × stride`` bytes, in vLLM's blocks: the
+    bytes of vLLM block ``b`` of every view in it (its kernel blocks, where a backend
+    splits it) lie within ``[b·stride, (b+1)·stride)`` of planes (one; K and V; every
+    layer and head slot of vLLM's ``LHBNC``)."""
 
     region: int
     planes: int
     blocks: int
-    """Described blocks (vLLM's blocks × ``split``)."""
     stride: int
-    split: int
     groups: tuple[int, ...]
 
 
 def slabs(layout: RankLayout, group_of: Callable[[int], int], splits: Sequence[int]) -> list[Slab]:
-    """Each region of ``layout`` as a :class:`Slab`; :class:`ConfigError` where a region's
-    blocks are not whole slabs (a block's bytes interleaved with other blocks')."""
+    """Each region of ``layout`` as a :class:`Slab` (``splits``: described blocks per vLLM
+    block, per group); :class:`ConfigError` where a region's blocks are not whole slabs (a
+    block's bytes interleaved with other blocks')."""
     out = []
     for r, size in enumerate(layout.regions):
         views = [v for v in layout.views if v.region == r]
-        shapes = {(v.block_stride, v.blocks) for v in views}
-        groups = tuple(sorted({group_of(v.layer) for v in views}))
-        split = {splits[g] for g in groups}
-        if len(shapes) != 1 or len(split) != 1:
+        split = [splits[group_of(v.layer)] for v in views]
+        shapes = {(v.block_stride * k, v.blocks // k) for v, k in zip(views, split, strict=True)}
+        if any(v.blocks % k for v, k in zip(views, split, strict=True)):
+            raise ConfigError(f"park: region {r}: kernel blocks not whole vLLM blocks")
+        if len(shapes) != 1:
             raise ConfigError(
-                f"park: region {r} holds views of block strides and counts {sorted(shapes)}, "
-                f"splits {sorted(split)}: parking needs one of each per region"
+                f"park: region {r} holds views of vLLM block strides and counts "
+                f"{sorted(shapes)}: parking needs one of each per region"
             )
         ((stride, blocks),) = shapes
         plane, planes = stride * blocks, 0
         for v in views:
             top, span = _reach(v, plane)
+            span += (splits[group_of(v.layer)] - 1) * v.block_stride  # its kernel blocks
             if span > stride:
                 raise ConfigError(
                     f"park: view {v.layer}/{v.stream} keeps a block in {span} bytes of a "
@@ -72,7 +74,8 @@ def slabs(layout: RankLayout, group_of: Callable[[int], int], splits: Sequence[i
             planes = max(planes, top + 1)
         if planes * plane > size:
             raise ConfigError(f"park: region {r} of {size} bytes, {planes} × {plane} described")
-        out.append(Slab(r, planes, blocks, stride, split.pop(), groups))
+        groups = tuple(sorted({group_of(v.layer) for v in views}))
+        out.append(Slab(r, planes, blocks, stride, groups))
     return out
 
 
@@ -95,16 +98,18 @@ def _reach(v: View, plane: int) -> tuple[int, int]:
     return q + top, r + span
 
 
-def park_layout(layout: RankLayout, parts: Sequence[Slab], park_blocks: int) -> RankLayout:
+def park_layout(
+    layout: RankLayout, parts: Sequence[Slab], splits: Sequence[int], park_blocks: int
+) -> RankLayout:
     """``layout`` with ``park_blocks`` vLLM blocks per region, each region ``planes ×
-    park_blocks·split × stride`` bytes (the park's own memory: every view at the same place
-    within a block and plane)."""
+    park_blocks × stride`` bytes (the park's own memory: every view at the same place
+    within a block and plane); every group ``park_blocks`` vLLM blocks (a group this rank
+    holds no layer of too, as its layout counts vLLM's pool)."""
     slab = {s.region: s for s in parts}
     views = []
     for v in layout.views:
         s = slab[v.region]
-        n = park_blocks * s.split
-        plane, to = s.blocks * s.stride, n * s.stride
+        plane, to = s.blocks * s.stride, park_blocks * s.stride
 
         def moved(x: int, plane: int = plane, to: int = to) -> int:
             return x // plane * to + x % plane
@@ -113,19 +118,16 @@ def park_layout(layout: RankLayout, parts: Sequence[Slab], park_blocks: int) -> 
             replace(
                 v,
                 offset=moved(v.offset),
-                blocks=n,
+                blocks=v.blocks // s.blocks * park_blocks,
                 seg_offsets=tuple(map(moved, v.seg_offsets)),
                 row_strides=tuple(map(moved, v.row_strides)),
                 unit_strides=tuple(map(moved, v.unit_strides)),
                 piece_strides=tuple(map(moved, v.piece_strides)),
             )
         )
-    counts = [0] * len(layout.num_blocks)
-    for s in parts:
-        for g in s.groups:
-            counts[g] = park_blocks * s.split
-    regions = tuple(s.planes * park_blocks * s.split * s.stride for s in parts)
-    return RankLayout(regions, tuple(views), layout.block_sizes, tuple(counts), layout.pools)
+    counts = tuple(park_blocks * x for x in splits)
+    regions = tuple(s.planes * park_blocks * s.stride for s in parts)
+    return RankLayout(regions, tuple(views), layout.block_sizes, counts, layout.pools)
 
 
 def region_tensors(kv_caches: Mapping[str, Any], bases: Sequence[int]) -> list[torch.Tensor]:
@@ -143,10 +145,9 @@ def region_tensors(kv_caches: Mapping[str, Any], bases: Sequence[int]) -> list[t
     return [found[b] for b in bases]
 
 
-def _described(ids: Sequence[int], split: int) -> np.ndarray:
-    """vLLM block ids as described blocks (``b·split … b·split + split - 1``)."""
-    a = np.asarray(ids, dtype=np.int64)
-    return (a[:, None] * split + np.arange(split)).ravel()
+COPY_BYTES = 64 << 20
+"""Most bytes one gather of :meth:`Park.copy` holds (its temporary is outside vLLM's
+memory budget)."""
 
 
 class Park:
@@ -163,36 +164,38 @@ class Park:
         ]
         self.dst = [
             torch.empty(
-                (s.planes, park_blocks * s.split, s.stride),
+                (s.planes, park_blocks, s.stride),
                 dtype=torch.uint8,
                 device=storages[s.region].device,
             )
             for s in self.slabs
         ]
-        self.layout = park_layout(placed.layout, self.slabs, park_blocks)
+        self.layout = park_layout(placed.layout, self.slabs, placed.splits, park_blocks)
         self.bases = [d.data_ptr() for d in self.dst]
 
     def copy(self, src: BlockIds, dst: BlockIds) -> None:
-        """Copy vLLM blocks ``src[g][i]`` into park blocks ``dst[g][i]``, every group (on
-        the device's current stream: after the step's KV writes queued before)."""
-        index: dict[tuple[int, tuple[int, ...]], Index] = {}  # one upload per kind of slab
+        """Copy vLLM blocks ``src[g][i]`` into park blocks ``dst[g][i]``, every group (null
+        entries skipped), on the device's current stream (after the step's KV writes
+        queued before), gathers of at most :data:`COPY_BYTES`."""
+        index: dict[tuple[int, ...], Index] = {}  # one upload per set of groups
         for s, a, b in zip(self.slabs, self.src, self.dst, strict=True):
-            key = (s.split, s.groups)
-            if key not in index:
-                index[key] = _index(s, src, dst, a.device)
-            got = index[key]
-            if got is not None:
-                b[:, got[1]] = a[:, got[0]]
+            if s.groups not in index:
+                index[s.groups] = _index(s.groups, src, dst, a.device)
+            got = index[s.groups]
+            if got is None:
+                continue
+            step = max(1, COPY_BYTES // (s.planes * s.stride))
+            for k in range(0, len(got[0]), step):
+                b[:, got[1][k : k + step]] = a[:, got[0][k : k + step]]
 
 
 Index = tuple[torch.Tensor, torch.Tensor] | None
-"""Described block ids to read and to write in a slab, on its device (None: none)."""
+"""vLLM block ids to read and park blocks to write, on a slab's device (None: none)."""
 
 
-def _index(s: Slab, src: BlockIds, dst: BlockIds, on: torch.device) -> Index:
-    pairs = [(src[g], dst[g]) for g in s.groups if src[g]]
+def _index(groups: tuple[int, ...], src: BlockIds, dst: BlockIds, on: torch.device) -> Index:
+    pairs = [(x, y) for g in groups for x, y in zip(src[g], dst[g], strict=True) if x]
     if not pairs:
         return None
-    si = np.concatenate([_described(x, s.split) for x, _ in pairs])
-    di = np.concatenate([_described(y, s.split) for _, y in pairs])
-    return torch.as_tensor(si, device=on), torch.as_tensor(di, device=on)
+    ids = np.asarray(pairs, dtype=np.int64)
+    return torch.as_tensor(ids[:, 0], device=on), torch.as_tensor(ids[:, 1], device=on)

@@ -5,7 +5,7 @@ for vLLM's null block, as in vLLM's pool)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge.integrations.vllm.park import BlockIds
@@ -14,10 +14,16 @@ Order = tuple[str, BlockIds, BlockIds]
 """``(request id, vLLM blocks, park slots)``: copy each block to its slot, per group."""
 
 
+Keep = Callable[[int, int], range]
+"""``keep(group, n)``: the positions of the group's block table D may read after P
+prefilled ``n`` tokens (a sliding window's last blocks, a state group's one slot)."""
+
+
 class ParkBook:
-    def __init__(self, slots: int, groups: int):
+    def __init__(self, slots: int, groups: int, keep: Keep | None = None):
         self.free = list(range(slots - 1, 0, -1))
         self.groups = groups
+        self.keep: Keep = keep or (lambda g, n: range(1 << 62))
         self.prompt: dict[str, int] = {}
         """Requests prefilled for remote decode, not yet ordered: tokens to prefill."""
         self.blocks: dict[str, BlockIds] = {}
@@ -40,14 +46,18 @@ class ParkBook:
         for rid, computed in done.items():
             if computed + counts.get(rid, 0) < self.prompt[rid]:
                 continue  # a chunk of its prompt: later
-            del self.prompt[rid]
+            n = self.prompt.pop(rid)
             blocks = self.blocks.pop(rid)
             if rid in self.held or rid in self.ordered:
                 continue  # its id still parked: served from vLLM's blocks
-            slots = self._take(blocks)
+            slots = self._take(blocks, n)
             if slots is not None:
                 self.ordered[rid] = (blocks, slots)
-                out.append((rid, blocks, slots))
+                copied = [
+                    [b if s else 0 for b, s in zip(*t, strict=True)]
+                    for t in zip(blocks, slots, strict=True)
+                ]
+                out.append((rid, copied, slots))
         return out
 
     def _follow(self, scheduled: Any) -> dict[str, int]:
@@ -64,19 +74,29 @@ class ParkBook:
             if rid not in self.prompt:
                 continue
             new = cached.new_block_ids[i]
-            if rid in resumed or rid not in self.blocks:
+            if rid in resumed:
                 self.blocks[rid] = [list(b) for b in new] if new is not None else []
+            elif rid not in self.blocks:
+                continue  # never seen new: not followed (never parked)
             elif new is not None:
                 for have, more in zip(self.blocks[rid], new, strict=True):
                     have.extend(more)
             out[rid] = int(cached.num_computed_tokens[i])
         return {rid: c for rid, c in out.items() if len(self.blocks[rid]) == self.groups}
 
-    def _take(self, blocks: BlockIds) -> BlockIds | None:
-        need = sum(1 for tab in blocks for b in tab if b)
+    def _take(self, blocks: BlockIds, n: int) -> BlockIds | None:
+        """A slot for each block D may read (none for a null one, or one before a
+        window), or None if too few are free."""
+        keep = [self.keep(g, n) for g in range(len(blocks))]
+        need = sum(
+            1 for g, tab in enumerate(blocks) for i, b in enumerate(tab) if b and i in keep[g]
+        )
         if need > len(self.free):
             return None
-        return [[self.free.pop() if b else 0 for b in tab] for tab in blocks]
+        return [
+            [self.free.pop() if b and i in keep[g] else 0 for i, b in enumerate(tab)]
+            for g, tab in enumerate(blocks)
+        ]
 
     def settle(
         self, request_id: str, block_ids: Sequence[Sequence[int]], ok: bool
@@ -103,13 +123,14 @@ class ParkBook:
 
 
 def _mapped(final: Sequence[Sequence[int]], blocks: BlockIds, slots: BlockIds) -> BlockIds | None:
-    """``final`` with each block replaced by its slot (null stays null); None if a
-    block is not the one copied at its place."""
+    """``final`` with each block replaced by its slot (null where vLLM's is, or where
+    no slot was taken: a block D does not read); None if a block is not the one
+    followed at its place, or there are more than followed."""
     if len(final) != len(blocks):
         return None
     out = []
     for fin, tab, sl in zip(final, blocks, slots, strict=True):
-        if len(fin) != len(tab):  # more blocks than copied, or fewer (preempted)
+        if len(fin) > len(tab):
             return None
         row = []
         for i, b in enumerate(fin):

@@ -24,7 +24,7 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
 from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
-from kvbridge.integrations.vllm.park_book import Order, ParkBook
+from kvbridge.integrations.vllm.park_book import Keep, Order, ParkBook
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ class SchedulerSide:
                 raise PeerError(f"workers {sorted(parks)} of {sorted(infos)} have a park")
             eid = f"{self.cfg.engine_id}.park"
             self.park = self._producer(eid, self.cfg.park_port, _ranks(parks))
-            self.book = ParkBook(self.cfg.park_blocks, len(self.cache.spec.groups))
+            groups = len(self.cache.spec.groups)
+            self.book = ParkBook(self.cfg.park_blocks, groups, park_keep(self.cache))
 
     def _producer(self, engine_id: str, port: int, ranks: list[RankInfo]) -> Producer:
         p = Producer(
@@ -107,18 +108,29 @@ class SchedulerSide:
         if not ok:
             return False, None  # aborted or never prefilled: nothing for D
         n, prompt = request.num_prompt_tokens, getattr(request, "prompt_token_ids", None)
+        handle = self._parked(request.request_id, parked, n, prompt) if parked else None
         if self.book is not None:
-            self._events["park_parked" if parked is not None else "park_held"] += 1
-        if parked is not None and self.park is not None:  # vLLM frees its blocks now
-            ids = self.cache.tables(parked, n, self.cfg.park_blocks)
-            handle = self.park.prefill_done(
-                request.request_id, kernel_tables(ids, self.splits), n, prompt=prompt
-            )
+            self._events["park_parked" if handle is not None else "park_held"] += 1
+        if handle is not None:  # vLLM frees its blocks now
             return False, {HANDLE_KEY: encode_handle(handle)}
-        ids = self.cache.tables(block_ids, n)
-        tables = kernel_tables(ids, self.splits)
+        tables = kernel_tables(self.cache.tables(block_ids, n), self.splits)
         handle = self.producer.prefill_done(request.request_id, tables, n, prompt=prompt)
         return True, {HANDLE_KEY: encode_handle(handle)}
+
+    def _parked(
+        self, request_id: str, slots: list[list[int]], n: int, prompt: Any
+    ) -> TransferHandle | None:
+        """The park's handle of ``request_id`` (its ``slots``), or None (slots back)."""
+        assert self.park is not None and self.book is not None
+        try:
+            tables = kernel_tables(self.cache.tables(slots, n, self.cfg.park_blocks), self.splits)
+            return self.park.prefill_done(request_id, tables, n, prompt=prompt)
+        except KVBridgeError as e:  # served from vLLM's blocks instead
+            log.warning(
+                "kvbridge P %s: request %s not parked: %s", self.cfg.engine_id, request_id, e
+            )
+            self.book.ended(request_id)
+            return None
 
     # --- D ---------------------------------------------------------------------------
     def _handle(self, request: Any, text: Any) -> TransferHandle | None:
@@ -194,6 +206,23 @@ class SchedulerSide:
         for p in (self.producer, self.park):
             if p is not None:
                 p.close()
+
+
+def park_keep(cache: VllmCache) -> Keep:
+    """The block table positions D may read, per group, after P prefilled ``n`` tokens:
+    a state group's one slot (as :meth:`VllmCache.tables` cuts it), an attention group's
+    blocks holding the tokens its layers need (``Layer.needed_tokens``: a window's last)."""
+    spec = cache.spec
+
+    def keep(g: int, n: int) -> range:
+        if g in cache.state_blocks:
+            at = max(n - 1, 0) // cache.state_blocks[g] if cache.state_mode == "align" else 0
+            return range(at, at + 1)
+        start, end = spec.layers[spec.groups[g].layers[0]].needed_tokens(n, 0)
+        size = spec.groups[g].block_size
+        return range(start // size, -(-end // size))
+
+    return keep
 
 
 def _ranks(infos: dict[int, bytes]) -> list[RankInfo]:

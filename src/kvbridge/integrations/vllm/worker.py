@@ -131,10 +131,11 @@ class WorkerSide:
         """P: return once this step's KV writes are complete (device memory: everything
         queued on the current stream), so that no handle of the step leaves before them;
         a step without a request prefilled for remote decode (``meta.save``) does not wait."""
-        if self.park is not None:
-            for _, blocks, slots in meta.parks:  # queued after the step's KV writes
-                self.park.copy(blocks, slots)
-        if self.producer is not None and meta.save:
+        if self.park is not None and meta.parks:  # queued after the step's KV writes
+            groups = range(len(meta.parks[0][1]))
+            blocks = [[b for _, bs, _ in meta.parks for b in bs[g]] for g in groups]
+            self.park.copy(blocks, [[s for *_, ss in meta.parks for s in ss[g]] for g in groups])
+        if self.producer is not None and (meta.save or meta.parks):
             self.producer.written()
 
     def handshake_meta(self) -> RankMeta | None:
