@@ -121,6 +121,11 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("reset_prefix_cache"))
 
+    def scheduler_requests(self) -> int:
+        """Requests vLLM's scheduler holds, finished ones whose blocks wait on the
+        connector included (an engine of ``core_process=False`` only)."""
+        return int(self._call("scheduler_requests"))
+
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (the engine alone if it did
         not yet lead its process group: then it started none)."""
@@ -258,6 +263,8 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
         return llm.collective_rpc(args[0])
     if cmd == "reset_prefix_cache":
         return llm.reset_prefix_cache()
+    if cmd == "scheduler_requests":  # core_process=False: vLLM's scheduler is here
+        return len(llm.llm_engine.engine_core.engine_core.scheduler.requests)
     if cmd != "generate":
         raise ValueError(f"unknown command {cmd!r}")
     from vllm import SamplingParams

@@ -76,12 +76,25 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
-def pd(p: Engine, d: Engine, batch: list[list[int]], new_tokens: int = 16) -> list[list[int]]:
-    """Prefill ``batch`` on ``p``, decode on ``d`` with the handles; D's tokens."""
+def pd(
+    p: Engine,
+    d: Engine,
+    batch: list[list[int]],
+    new_tokens: int = 16,
+    served_by: list[str] | None = None,
+) -> list[list[int]]:
+    """Prefill ``batch`` on ``p``, decode on ``d`` with the handles; D's tokens.
+    ``served_by`` gets the P instance each handle names (``<id>.park``: parked)."""
     pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
     assert all(o.kv_transfer_params and "kvbridge" in o.kv_transfer_params for o in pre)
+    if served_by is not None:
+        served_by += [handle_of(o.kv_transfer_params).engine_id for o in pre]
     out = d.generate(batch, new_tokens, [o.kv_transfer_params for o in pre])
     return [o.tokens for o in out]
+
+
+def handle_of(params: dict[str, object] | None) -> TransferHandle:
+    return TransferHandle.from_bytes(base64.b64decode(str((params or {})["kvbridge"])))
 
 
 def release_at_p(params: list[dict[str, object] | None]) -> None:

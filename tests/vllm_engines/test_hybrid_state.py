@@ -48,7 +48,17 @@ def granite(models: Path) -> Iterator[tuple[Engine, ...]]:
         *start_all(
             models,
             ("granite", "granite-b128", {"block_size": 128, "cpus": "0", "prefix_caching": False}),
-            ("granite", "granite-b32", {"block_size": 32, "cpus": "1", "prefix_caching": False}),
+            # with a park (test_park.py): 32 -> 128 parks attention blocks and Mamba slots
+            (
+                "granite",
+                "granite-b32",
+                {
+                    "block_size": 32,
+                    "cpus": "1",
+                    "prefix_caching": False,
+                    "extra": {"park_blocks": 64},
+                },
+            ),
         )
     )
 
@@ -64,7 +74,9 @@ def test_granite_token_exact(granite: tuple[Engine, ...], direction: str) -> Non
     batch = prompts(40 + len(direction), (300, 64, 65, 128, 129, 40, 257))
     ref = [o.tokens for o in p.generate(batch, 16)]
     before = totals(d)
-    assert pd(p, d, batch) == ref
+    served: list[str] = []
+    assert pd(p, d, batch, served_by=served) == ref
+    assert set(served) == {f"{p.cfg.engine_id}.park" if p is b else p.cfg.engine_id}
     after = totals(d)
     assert after["loads_ok"] - before.get("loads_ok", 0) == len(batch)
     assert after.get("loads_failed", 0) == before.get("loads_failed", 0)

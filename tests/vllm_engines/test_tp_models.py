@@ -13,6 +13,8 @@ from tests.vllm_engines.conftest import closing, pd, prompts, start, start_all
 
 pytestmark = pytest.mark.vllm
 
+PARK = {"park_blocks": 128}
+
 
 @pytest.fixture(scope="module")
 def tp_engines(models: Path, llama_pair: tuple[Engine, ...]) -> Iterator[tuple[Engine, ...]]:
@@ -37,7 +39,8 @@ def test_model_token_exact(
     for engines in closing(
         *start_all(
             models,
-            (name, f"{name}-p", {"block_size": p_block, "cpus": "0"}),
+            # P with a park (test_park.py): P → D is parked, the way back held
+            (name, f"{name}-p", {"block_size": p_block, "cpus": "0", "extra": PARK}),
             (name, f"{name}-d", {"block_size": d_block, "cpus": "1"}),
         )
     ):
@@ -45,10 +48,13 @@ def test_model_token_exact(
         # Gemma-3's window is 64: prompts longer than it, at and around block edges
         batch = prompts(20, (300, 64, 65, 191, 129, 40))
         ref = [o.tokens for o in p.generate(batch, 16)]
-        assert pd(p, d, batch) == ref
+        served: list[str] = []
+        assert pd(p, d, batch, served_by=served) == ref
+        assert served == [f"{name}-p.park"] * len(batch)  # Gemma: the windows' blocks only
         back = prompts(21, (250, 97))  # and the other way
         ref_back = [o.tokens for o in d.generate(back, 16)]
-        assert pd(d, p, back) == ref_back
+        assert pd(d, p, back, served_by=served) == ref_back
+        assert served[len(batch) :] == [f"{name}-d"] * len(back)
         # a handle from this model's P given to a Llama D: refused by the model hash at
         # the handshake (a typed IncompatibleError), recomputed, and D keeps serving
         llama_d = llama_pair[0]
