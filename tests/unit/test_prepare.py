@@ -12,8 +12,9 @@ import pytest
 from kvbridge.connector.consumer import Consumer
 from kvbridge.connector.load import Mode
 from kvbridge.connector.movers.choice import PROBE_ROUNDS
+from kvbridge.connector.producer import Producer
 from kvbridge.errors import PeerError, TransportError
-from tests.unit.test_connector_loopback import World, check_bytes
+from tests.unit.test_connector_loopback import SECRET, World, check_bytes
 from tests.unit.test_kernel_mover import ShmPool, _landed, load_one, shm
 
 __all__ = ["shm"]  # the fixture, used by name
@@ -238,3 +239,27 @@ def test_auto_loads_do_not_wait_behind_a_prepares_measurement(monkeypatch) -> No
         running.result(timeout=10)
     finally:
         w.close()
+
+
+def test_preparing_p_prepares_the_instances_of_its_own_it_names(shm: ShmPool) -> None:
+    """A vLLM P's park is a P instance of its own (``P.park``): P names it at the
+    handshake, and D prepares it with P, so its first parked load needs no handshake; a
+    name that is not one of P's own (``Q``) is not followed."""
+    w = World(p_memory=shm)
+    park = Producer("P.park", w.spec, w.p.par, SECRET)
+    other = Producer("Q", w.spec, w.p.par, SECRET)
+    try:
+        for prod in (park, other):
+            for info in w.producer.ranks.values():
+                prod.add_rank(info)
+        w.producer.companions = [("Q", other.endpoint), ("P.park", park.endpoint)]
+        d = w.consumers[0]
+        d.prepare(w.producer.endpoint, "P").result(timeout=10)
+        handle = park.prefill_done("r1", [[1], [2, 3]], 20)
+        assert len(d.peers) == 2 and d.peers.ready(handle) is not None
+        d.peers.done(d.peers.ready(handle))
+        assert d.peers.known(other.prefill_done("r2", [[1], [2, 3]], 20)) is None
+    finally:
+        w.close()
+        park.close()
+        other.close()

@@ -59,6 +59,9 @@ class Peer:
     remake: Callable[[dict[int, tuple[int, ...]], tuple[int, ...]], Geometry] | None = None
     """The pair's geometry over other region bases (per P rank, and D's): the kernel
     mover plans in offsets of the memory it mapped."""
+    companions: tuple[tuple[str, str], ...] = ()
+    """P's own other instances it named at the handshake (engine id, endpoint): prepared
+    with it (:mod:`kvbridge.connector.prepare`)."""
 
     fast: Client | None = None
     """A second channel to P for ``begin`` sent from the engine's thread
@@ -295,6 +298,7 @@ class PeerCache:
             },
             ranks={i.rank: i for i in reply.ranks},
             remake=partial(self._remake, spec_p, p_par, p_bound),
+            companions=tuple((str(e), str(a)) for e, a in reply.companions),
         )
 
     def _remake(

@@ -39,11 +39,30 @@ class Preparing(Rank, Protocol):
 log = logging.getLogger(__name__)
 
 
-def prepare(d: Preparing, target: Target) -> str:
+COMPANIONS = 4
+"""Most companions of a P prepared with it (:func:`prepare`)."""
+
+
+def prepare(d: Preparing, target: Target, companions: bool = True) -> str:
     """Make ``target`` ready for loads that start on the engine's thread → the P epoch
     prepared (a later handle of another epoch handshakes again). A peer cached for an
     epoch P no longer answers with (P restarted) is replaced. Typed errors as a load's
-    handshake would raise them (P down, another engine id, another model)."""
+    handshake would raise them (P down, another engine id, another model). Then the P
+    instances of P's own it named (``<engine id>.<name>``: a vLLM P's park), at most
+    :data:`COMPANIONS`, each failure logged only."""
+    epoch, named = _prepare(d, target)
+    for eid, endpoint in named[:COMPANIONS] if companions else ():
+        if not eid.startswith(f"{target.engine_id}."):
+            log.warning("kvbridge: P %s names %r, not one of its own", target.engine_id, eid)
+            continue
+        try:
+            prepare(d, Target(eid, endpoint), companions=False)
+        except KVBridgeError as e:
+            log.warning("kvbridge: preparing %s (of P %s) failed: %s", eid, target.engine_id, e)
+    return epoch
+
+
+def _prepare(d: Preparing, target: Target) -> tuple[str, tuple[tuple[str, str], ...]]:
     peer = d.peers.get(target)
     try:
         epoch = _hello(d, peer, target)
@@ -60,7 +79,7 @@ def prepare(d: Preparing, target: Target) -> str:
         ids = [[g] for g in range(len(d.spec.groups))]  # distinct: groups may share a pool
         with contextlib.suppress(KVBridgeError):  # a warm-up only (a pool of one block?)
             geometry.plan(1, ids, checked_tables(ids, d.peers.bound.layout.num_blocks, "D's"))
-        return peer.epoch
+        return peer.epoch, peer.companions
     finally:
         d.peers.done(peer)
 

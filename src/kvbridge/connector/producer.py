@@ -240,6 +240,9 @@ class Producer:
         self.epoch = secrets.token_hex(8)
         self.leases = LeaseTable(lease_s)
         self.ranks: dict[int, RankInfo] = {}
+        self.companions: list[tuple[str, str]] = []
+        """P instances of this P's own (``<engine id>.<name>``, endpoint) that D prepares
+        with it (a vLLM P's park)."""
         self.server = Server(self._handle, secret, host, port, advertise=advertise, keys=keys)
         reserve_fds()  # a first handshake must not wait for the table to grow
 
@@ -320,6 +323,7 @@ class Producer:
             self.par.pp,
             stages,
             [self.ranks[r] for r in range(self.par.world)],
+            list(self.companions),
         )
 
     def close(self) -> None:

@@ -95,6 +95,9 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply", frozen=True):
     pp: int
     stages: list[tuple[int, int]]
     ranks: list[RankInfo]
+    companions: list[tuple[str, str]] = msgspec.field(default_factory=list)
+    """P instances of this P's own (``<engine id>.<name>``, endpoint), as its park, that
+    a D preparing this P prepares too (an older P sends none)."""
 
 
 LeaseOpName = Literal["begin", "renew", "confirm", "fail"]

@@ -61,6 +61,7 @@ class SchedulerSide:
                 raise PeerError(f"workers {sorted(parks)} of {sorted(infos)} have a park")
             eid = f"{self.cfg.engine_id}.park"
             self.park = self._producer(eid, self.cfg.park_port, _ranks(parks))
+            self.producer.companions = [(eid, self.park.endpoint)]  # D prepares both
             groups = len(self.cache.spec.groups)
             self.book = ParkBook(self.cfg.park_blocks, groups, park_keep(self.cache))
 
