@@ -59,6 +59,10 @@ CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other S
     "swa-pp2->pp1": ((1, 2, 32, SWA), (1, 1, 64, SWA)),
     "swa-pp1->pp2": ((1, 1, 32, SWA), (1, 2, 32, SWA)),
     "swa-tp2pp1->tp1pp2(3,1)": ((2, 1, 32, SWA), (1, 2, 64, {**SWA, "partition": "3,1"})),
+    "gpu-swa-pp2(3,1)->pp2": (
+        (1, 2, 32, {**GPU, **SWA, "partition": "3,1"}),
+        (1, 2, 64, {**GPU, **SWA}),
+    ),
     "mamba-pp2->pp1": ((1, 2, 32, MAMBA2), (1, 1, 64, MAMBA2)),
     "mamba-pp1->pp2": ((1, 1, 32, MAMBA2), (1, 2, 32, MAMBA2)),
     "mamba-tp2pp1->tp1pp2(3,1)": ((2, 1, 32, MAMBA2), (1, 2, 64, {**MAMBA2, "partition": "3,1"})),
