@@ -6,8 +6,10 @@ For each pair of P and D shapes, every part of each engine runs in a process of 
 over NIXL. P's workers fill their caches with random values in the prefill step, P's
 scheduler returns the handle, D's scheduler matches and allocates, D's workers load. Then
 every K and V element of the request's tokens, every layer and head, on every D rank
-must equal the one P's rank holding that layer and head has, and every D block outside
-the request must keep its old bytes; P's lease ends ``done`` (every D rank confirmed).
+must equal the one P's rank holding that layer and head has, each Mamba layer's conv and
+SSM state in D's slot the model's in P's (gathered over P's TP shards), and every D block
+outside the request must keep its old bytes; P's lease ends ``done`` (every D rank
+confirmed).
 """
 
 from __future__ import annotations
@@ -66,10 +68,16 @@ CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other S
     "mamba-pp2->pp1": ((1, 2, 32, MAMBA2), (1, 1, 64, MAMBA2)),
     "mamba-pp1->pp2": ((1, 1, 32, MAMBA2), (1, 2, 32, MAMBA2)),
     "mamba-tp2pp1->tp1pp2(3,1)": ((2, 1, 32, MAMBA2), (1, 2, 64, {**MAMBA2, "partition": "3,1"})),
+    "gpu-mamba-tp2pp1->tp1pp2(3,1)": (
+        (2, 1, 32, {**GPU, **MAMBA2}),
+        (1, 2, 64, {**GPU, **MAMBA2, "partition": "3,1"}),
+    ),
 }
 """``pp2(3,1)``: vLLM's partition set by ``VLLM_PP_LAYER_PARTITION`` (layers 0-2, 3), so
-D's stage 1 reads its layers from both P stages. The ``gpu`` case takes the connector's
-GPU description (vLLM's logical views; P's cache block-major) over host memory. ``swa``:
+D's stage 1 reads its layers from both P stages. The ``gpu`` cases take the connector's
+GPU description (vLLM's logical views; P's cache block-major) over host memory; with
+(3,1) a stage holds no layer of some group (no full-attention or no Mamba layer), which
+it describes as vLLM's pool, undivided. ``swa``:
 gemma-3's pattern (``tests.support.vllm_pp_models``), four KV cache groups (three
 sliding-window, one full), each with its own block table, all in one pool. ``mamba``:
 Mamba-2 and full attention alternating (granite-4.0-h's kind), two groups; a Mamba
