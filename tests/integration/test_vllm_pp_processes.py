@@ -6,8 +6,10 @@ For each pair of P and D shapes, every part of each engine runs in a process of 
 over NIXL. P's workers fill their caches with random values in the prefill step, P's
 scheduler returns the handle, D's scheduler matches and allocates, D's workers load. Then
 every K and V element of the request's tokens, every layer and head, on every D rank
-must equal the one P's rank holding that layer and head has, and every D block outside
-the request must keep its old bytes; P's lease ends ``done`` (every D rank confirmed).
+must equal the one P's rank holding that layer and head has, each Mamba layer's conv and
+SSM state in D's slot the model's in P's (gathered over P's TP shards), and every D block
+outside the request must keep its old bytes; P's lease ends ``done`` (every D rank
+confirmed).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ pytest.importorskip("nixl")
 from kvbridge.integrations.vllm.metadata import StepMeta
 from tests.support.vllm_pp import (
     HEADS,
-    LAYERS,
     NB,
     Caches,
     Engine,
@@ -35,11 +36,11 @@ from tests.support.vllm_pp import (
     Step,
     Wait,
     kv_cache_configs,
-    kv_of,
     layer_name,
     vllm_config,
 )
-from tests.support.vllm_pp_models import KINDS, WINDOW
+from tests.support.vllm_pp_bytes import conv_channels, kv_of, ssm_heads, state_of
+from tests.support.vllm_pp_models import KINDS, MAMBA, WINDOW, layer_spec
 from tests.support.zygote import Zygote
 
 pytestmark = pytest.mark.integration
@@ -49,6 +50,7 @@ N = 150
 
 GPU = {"backend": "FLASH_ATTN"}
 SWA = {"model": "swa"}
+MAMBA2 = {"model": "mamba"}
 CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other Side fields])
     "pp2->pp2": ((1, 2, 32), (1, 2, 64)),
     "pp2->pp1": ((1, 2, 64), (1, 1, 32)),
@@ -59,12 +61,27 @@ CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other S
     "swa-pp2->pp1": ((1, 2, 32, SWA), (1, 1, 64, SWA)),
     "swa-pp1->pp2": ((1, 1, 32, SWA), (1, 2, 32, SWA)),
     "swa-tp2pp1->tp1pp2(3,1)": ((2, 1, 32, SWA), (1, 2, 64, {**SWA, "partition": "3,1"})),
+    "gpu-swa-pp2(3,1)->pp2": (
+        (1, 2, 32, {**GPU, **SWA, "partition": "3,1"}),
+        (1, 2, 64, {**GPU, **SWA}),
+    ),
+    "mamba-pp2->pp1": ((1, 2, 32, MAMBA2), (1, 1, 64, MAMBA2)),
+    "mamba-pp1->pp2": ((1, 1, 32, MAMBA2), (1, 2, 32, MAMBA2)),
+    "mamba-tp2pp1->tp1pp2(3,1)": ((2, 1, 32, MAMBA2), (1, 2, 64, {**MAMBA2, "partition": "3,1"})),
+    "gpu-mamba-tp2pp1->tp1pp2(3,1)": (
+        (2, 1, 32, {**GPU, **MAMBA2}),
+        (1, 2, 64, {**GPU, **MAMBA2, "partition": "3,1"}),
+    ),
 }
 """``pp2(3,1)``: vLLM's partition set by ``VLLM_PP_LAYER_PARTITION`` (layers 0-2, 3), so
-D's stage 1 reads its layers from both P stages. The ``gpu`` case takes the connector's
-GPU description (vLLM's logical views; P's cache block-major) over host memory. ``swa``:
+D's stage 1 reads its layers from both P stages. The ``gpu`` cases take the connector's
+GPU description (vLLM's logical views; P's cache block-major) over host memory; with
+(3,1) a stage holds no layer of some group (no full-attention or no Mamba layer), which
+it describes as vLLM's pool, undivided. ``swa``:
 gemma-3's pattern (``tests.support.vllm_pp_models``), four KV cache groups (three
-sliding-window, one full), each with its own block table, all in one pool."""
+sliding-window, one full), each with its own block table, all in one pool. ``mamba``:
+Mamba-2 and full attention alternating (granite-4.0-h's kind), two groups; a Mamba
+layer's cache is vLLM's int8 page view, its state one slot (block) per request."""
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +107,9 @@ def block_ids(seed: int, n: int, side: Side) -> list[list[int]]:
     free = iter(int(b) for b in np.random.default_rng(seed).permutation(range(1, NB)))
     out = []
     for kind in group_kinds(side.model):
+        if kind == "mamba":  # mamba_cache_mode "none": the request's one state slot
+            out.append([next(free)])
+            continue
         first = (n - WINDOW + 1) // side.block if kind == "sliding" else 0
         out.append([0 if b < first else next(free) for b in range(-(-n // side.block))])
     return out
@@ -165,18 +185,55 @@ def check(case: str, engines: tuple[Zygote, list[Engine]], swap: bool = False) -
         for name, after in d_after[r].items():
             layer = int(name.split(".")[2])
             g = group_of(d_side.model, layer)
-            first = N - WINDOW + 1 if KINDS[d_side.model][layer] == "sliding" else 0
-            k_d, v_d = kv_of(after, d_ids[g], d_side.block, N, d_side.backend)
-            for h in range(after.shape[1]):
-                src, local = holder(p_side, layer, tp_rank * (HEADS // d_side.tp) + h)
-                p_cache = p_caches[src][name]
-                k_p, v_p = kv_of(p_cache, p_ids[g], p_side.block, N, p_side.backend)
-                where = (case, r, name, h)
-                assert np.array_equal(k_d[first:, h], k_p[first:, local]), (*where, "K")
-                assert np.array_equal(v_d[first:, h], v_p[first:, local]), (*where, "V")
-                seen += 1
-            assert np.array_equal(after[others], d_before[r][name][others]), (case, r, name)
-    assert seen == LAYERS * HEADS  # every layer and head, once
+            ids = (p_ids[g], d_ids[g])
+            where = (case, r, name)
+            if KINDS[d_side.model][layer] == "mamba":
+                seen += check_state(where, p_side, p_caches, d_side, after, ids, tp_rank)
+            else:
+                seen += check_kv(where, p_side, p_caches, d_side, after, ids, tp_rank)
+            assert np.array_equal(after[others], d_before[r][name][others]), where
+    kinds = KINDS[d_side.model]
+    assert seen == sum(d_side.tp if k == "mamba" else HEADS for k in kinds)  # each, once
+
+
+def check_kv(
+    where: tuple, p_side: Side, p_caches: list, d_side: Side, after: np.ndarray, ids: tuple, r: int
+) -> int:
+    """K and V of every token D needs of one attention layer, each head D rank ``r`` holds
+    (``after``: its cache) equal to those of the P rank holding the head; heads checked."""
+    name = where[2]
+    layer = int(name.split(".")[2])
+    first = N - WINDOW + 1 if KINDS[d_side.model][layer] == "sliding" else 0
+    k_d, v_d = kv_of(after, ids[1], d_side.block, N, d_side.backend)
+    for h in range(after.shape[1]):
+        src, local = holder(p_side, layer, r * (HEADS // d_side.tp) + h)
+        k_p, v_p = kv_of(p_caches[src][name], ids[0], p_side.block, N, p_side.backend)
+        assert np.array_equal(k_d[first:, h], k_p[first:, local]), (*where, h, "K")
+        assert np.array_equal(v_d[first:, h], v_p[first:, local]), (*where, h, "V")
+    return int(after.shape[1])
+
+
+def check_state(
+    where: tuple, p_side: Side, p_caches: list, d_side: Side, after: np.ndarray, ids: tuple, r: int
+) -> int:
+    """One Mamba layer's conv and SSM state in D rank ``r``'s slot (``after``: its cache)
+    equal to the model's state in P's slot, gathered from the P ranks of its stage (each
+    holds its shard of the conv channels and SSM heads); 1."""
+    name = where[2]
+    layer = int(name.split(".")[2])
+    stage = next(s for s in range(p_side.pp) if layer in p_side.stage_layers(s))
+    h, k = MAMBA["heads"], MAMBA["kernel"]
+    conv = np.zeros((k - 1, conv_channels(1, 0).size), np.float32)
+    ssm = np.zeros((h, MAMBA["head_dim"], MAMBA["d_state"]), np.float32)
+    for pr in range(p_side.tp):
+        spec = layer_spec("mamba", layer, p_side.tp, p_side.block)
+        c, x = state_of(p_caches[stage * p_side.tp + pr][name], spec)
+        conv[:, conv_channels(p_side.tp, pr)] = c[ids[0][0]]
+        ssm[ssm_heads(p_side.tp, pr)] = x[ids[0][0]]
+    c, x = state_of(after, layer_spec("mamba", layer, d_side.tp, d_side.block))
+    assert np.array_equal(c[ids[1][0]], conv[:, conv_channels(d_side.tp, r)]), (*where, "conv")
+    assert np.array_equal(x[ids[1][0]], ssm[ssm_heads(d_side.tp, r)]), (*where, "ssm")
+    return 1
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -185,7 +242,7 @@ def test_pp_load_is_byte_exact_across_processes(
 ) -> None:
     """P PP 2 → D PP 2, PP 2 → PP 1, PP 1 → PP 2, TP 1 × PP 2 → TP 2 × PP 1, PP 2 of an
     uneven partition → PP 2, and TP 2 × PP 2 → TP 1 × PP 2 on the GPU description, with
-    block sizes changing on the way."""
+    block sizes changing on the way; hybrids of sliding-window or Mamba-2 layers."""
     check(case, engines)
 
 

@@ -22,7 +22,6 @@ from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -40,6 +39,7 @@ from kvbridge.integrations.vllm import cache as cache_module
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
 from kvbridge.integrations.vllm.metadata import StepMeta
 from refengine.processes import serve
+from tests.support.vllm_pp_bytes import fill
 from tests.support.vllm_pp_models import HEAD, HEADS, LAYERS, hf_config, layer_spec
 from tests.support.zygote import Zygote, booted, call, stop
 
@@ -319,13 +319,6 @@ def _swapped(shard: Any) -> Any:
     return other
 
 
-def fill(caches: dict[str, torch.Tensor], seed: int) -> None:
-    """Every element of every cache tensor: random normal values of generator ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    for t in caches.values():
-        t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
-
-
 def part_main(conn: Connection, side: Side, index: int) -> None:
     """Process ``index`` of an engine: 0 its scheduler, ``1 + r`` the worker of rank ``r``."""
     import pytest
@@ -378,23 +371,3 @@ class Engine:
     def close(self) -> None:
         stop(self.parts)
         self.parts = []
-
-
-def kv_of(
-    cache: np.ndarray, ids: list[int], block: int, n: int, backend: str = "CPU_ATTN"
-) -> tuple[np.ndarray, ...]:
-    """K and V ``[tokens, heads, head]`` of the first ``n`` tokens in blocks ``ids`` of one
-    layer's cache ``[blocks, heads, block, 2·head]`` (vLLM's logical view). ``CPU_ATTN``
-    reads it as vLLM's CPU kernels keep it (per block and head: K ``[head][token]``, then V
-    ``[token][head]``); other backends as the view says (per token: K then V)."""
-    nb, heads = cache.shape[:2]
-    if backend == "CPU_ATTN":
-        flat = cache.reshape(nb, heads, 2 * block * HEAD)
-        k = flat[:, :, : block * HEAD].reshape(nb, heads, HEAD, block).transpose(0, 3, 1, 2)
-        v = flat[:, :, block * HEAD :].reshape(nb, heads, block, HEAD).transpose(0, 2, 1, 3)
-    else:
-        k = cache[..., :HEAD].transpose(0, 2, 1, 3)
-        v = cache[..., HEAD:].transpose(0, 2, 1, 3)
-    idx = np.asarray(ids)
-    tok = np.arange(n)
-    return k[idx[tok // block], tok % block], v[idx[tok // block], tok % block]

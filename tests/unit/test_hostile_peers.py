@@ -334,3 +334,23 @@ def test_loads_queued_for_a_dead_p_fail_within_one_timeout():
     w, _, _, _, took = load_from_hung_p([f"q{i}" for i in range(5)])
     w.close()
     assert took < 2.6, took
+
+
+def test_p_ranks_describing_a_group_in_different_blocks_are_refused():
+    """D plans every P rank with one block size per group (P's scheduler refuses ranks
+    that differ): a P whose rank 1 says blocks of half the size fails the load with a
+    PeerError naming both, and D's blocks stay as they were."""
+    w = World()
+    try:
+        info = w.producer.ranks[1]
+        halved = [max(b // 2, 1) for b in info.block_sizes]
+        w.producer.ranks[1] = msgspec.structs.replace(info, block_sizes=halved)
+        before = [b.copy() for b in w.d.bufs[0]]
+        handle, d_tabs = w.request("r", 20)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert not out.ok and "PeerError" in (out.error or "")
+        assert f"{sorted({tuple(info.block_sizes), tuple(halved)})}" in (out.error or "")
+        assert all(np.array_equal(a, b) for a, b in zip(before, w.d.bufs[0], strict=True))
+    finally:
+        w.close()

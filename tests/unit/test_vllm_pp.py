@@ -21,6 +21,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvbridge.api import ConfigError, PeerError
 from kvbridge.integrations.vllm.cache import read_cache
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
+from kvbridge.integrations.vllm.placement import place
 from tests.support.vllm_pp import (
     LAYERS,
     Side,
@@ -32,14 +33,24 @@ from tests.support.vllm_pp import (
 from tests.support.vllm_pp_models import hf_config, layer_spec, mamba_spec
 
 P2 = Side("P", "kv_producer", 1, 2, 32, "loopback")
+LBHNC = KVCacheLayout.LBHNC
 
 
-def worker(side: Side, cfg: Any, stage: int, tp_rank: int, mp: pytest.MonkeyPatch) -> Any:
-    """The worker connector of (``stage``, ``tp_rank``) given ``cfg``, caches registered."""
+def worker(
+    side: Side,
+    cfg: Any,
+    stage: int,
+    tp_rank: int,
+    mp: pytest.MonkeyPatch,
+    kernel: list[int] | None = None,
+) -> Any:
+    """The worker connector of (``stage``, ``tp_rank``) given ``cfg``, caches registered
+    (``kernel``: vLLM's kernel block size of each group, as its runner may choose them)."""
     mp.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
     mp.setattr(parallel_state, "get_pp_group", lambda: type("G", (), {"rank_in_group": stage}))
     conn = KVBridgeConnector(vllm_config(side), KVConnectorRole.WORKER, cfg)
-    conn.register_kv_caches(allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.LBHNC, None))
+    lay = KVCacheLayout.LBHNC
+    conn.register_kv_caches(allocate_kv_cache(cfg, torch.device("cpu"), lay, kernel))
     return conn
 
 
@@ -260,3 +271,75 @@ def test_a_worker_announcing_another_rank_is_refused(
     sched.set_xfer_handshake_metadata_pp_aware({(0, 0): metas[0], (1, 0): metas[1]})
     assert sched.sched is not None and sched.sched.producer is not None
     assert sorted(sched.sched.producer.ranks) == [0, 1]
+
+
+GPU3_1 = {"backend": "FLASH_ATTN", "transport": "loopback"}
+
+
+@pytest.mark.parametrize("model", ["swa", "mamba"])
+def test_a_stage_holding_no_layer_of_a_group_describes_it_in_vllm_s_blocks(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU description (``FLASH_ATTN`` over host memory), PP 2 of partition (3,1):
+    stage 0 holds no full-attention layer of ``swa``, stage 1 no sliding one (``mamba``:
+    no state layer). Such a group has no view there and is vLLM's pool, undivided: its
+    block size vLLM's, its blocks ``KVCacheConfig.num_blocks``, the pool of the others."""
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
+    side = Side("P", "kv_producer", 1, 2, 32, model=model, **GPU3_1)
+    vc = vllm_config(side)
+    workers, _ = kv_cache_configs(side, vc)
+    lacking = 0
+    for cfg in workers:
+        cache = read_cache(vc, cfg)
+        placed = place(vc, cache, 0, allocate_kv_cache(cfg, torch.device("cpu"), LBHNC, None))
+        lay, spec = placed.layout, cache.spec
+        held = {spec.group_of(i) for i in cache.layer_names.values()}
+        viewed = {spec.group_of(v.layer) for v in lay.views}
+        assert viewed == held and len(set(lay.pools)) == 1 and set(placed.splits) == {1}
+        for g in set(range(len(spec.groups))) - held:
+            assert (lay.block_sizes[g], lay.num_blocks[g]) == (spec.groups[g].block_size, 96)
+            lacking += 1
+    assert lacking == {"swa": 4, "mamba": 1}[model]  # swa: 3 sliding groups, 1 full
+
+
+def test_a_group_of_the_stage_s_own_layers_unregistered_is_still_refused() -> None:
+    """PP 2 (layers 0-1, 2-3 of ``swa``): stage 1's caches without its full layer 3."""
+    side = Side("P", "kv_producer", 1, 2, 32, model="swa", **GPU3_1)
+    vc = vllm_config(side)
+    cfg = kv_cache_configs(side, vc)[0][1]
+    cache = read_cache(vc, cfg)
+    caches = allocate_kv_cache(cfg, torch.device("cpu"), LBHNC, None)
+    del caches[layer_name(3)]
+    with pytest.raises(
+        ConfigError,
+        match=r"none of its layers \(of this PP stage's layers 2\.\.3, it holds \[3\]\)",
+    ):
+        place(vc, cache, 0, caches)
+
+
+def test_p_stages_describing_a_group_in_different_blocks_are_refused(
+    made: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Partition (3,1) of ``swa``: stage 1's full layer in vLLM kernel blocks of 16 (the
+    GPU description splits its blocks of 32 in two), stage 0, holding no full layer,
+    describes that group in vLLM's blocks: one handle cannot name both, so P's scheduler
+    refuses them at start; both in vLLM's blocks, it serves them undivided."""
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
+    side = Side("P", "kv_producer", 1, 2, 32, model="swa", **GPU3_1)
+    vc = vllm_config(side)
+    workers, sched_cfg = kv_cache_configs(side, vc)
+    for kernel in ([32, 32, 32, 32], [32, 32, 32, 16]):
+        ws = [worker(side, workers[s], s, 0, monkeypatch, kernel if s else None) for s in (0, 1)]
+        made.extend(ws)
+        metas = {(s, 0): w.get_handshake_metadata() for s, w in enumerate(ws)}
+        made.append(sched := KVBridgeConnector(vc, KVConnectorRole.SCHEDULER, sched_cfg))
+        if kernel[3] == 32:
+            sched.set_xfer_handshake_metadata_pp_aware(metas)
+            assert sched.sched is not None and sched.sched.splits == (1, 1, 1, 1)
+            continue
+        with pytest.raises(
+            ConfigError,
+            match=r"rank 1 describes its groups in blocks of \[32, 32, 32, 16\] tokens, "
+            r"rank 0 in \[32, 32, 32, 32\]",
+        ):
+            sched.set_xfer_handshake_metadata_pp_aware(metas)

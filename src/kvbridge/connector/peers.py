@@ -29,6 +29,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.control.security import Keys
 from kvbridge.errors import IncompatibleError, PeerError, TransferTimeout, TransportError
+from kvbridge.layout.view import RankLayout
 from kvbridge.plan.geometry import Geometry, Side
 from kvbridge.plan.pattern import Bound
 from kvbridge.spec.model import ModelSpec
@@ -268,7 +269,8 @@ class PeerCache:
         for info, lay in zip(reply.ranks, layouts, strict=True):
             rank_regions(info, lay)  # a memory kind this side does not know is refused
             rank_shares(info)
-        names = {g.name: bs for g, bs in zip(self.spec.groups, layouts[0].block_sizes, strict=True)}
+        sizes = _block_sizes(layouts)
+        names = {g.name: bs for g, bs in zip(self.spec.groups, sizes, strict=True)}
         spec_p = self.spec.with_block_sizes(names)
         p_bound = [Bound(lay, tuple(i.bases)) for lay, i in zip(layouts, reply.ranks, strict=True)]
         geometry = self._remake(spec_p, p_par, p_bound, {}, self.bound.bases)
@@ -333,3 +335,12 @@ class PeerCache:
             self._stale = []
         for peer in peers:
             self._forget(peer)
+
+
+def _block_sizes(layouts: list[RankLayout]) -> tuple[int, ...]:
+    """P's block sizes per group: every P rank's the same (the geometry plans each P rank
+    with one spec), else a PeerError."""
+    sizes = {tuple(lay.block_sizes) for lay in layouts}
+    if len(sizes) != 1:
+        raise PeerError(f"P's ranks describe their groups in blocks of {sorted(sizes)} tokens")
+    return sizes.pop()

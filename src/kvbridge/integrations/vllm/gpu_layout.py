@@ -212,13 +212,16 @@ def gpu_rank_layout(
     layout: str | None = None,
     dim_first: bool = False,
     memory: MemKind = MemKind.HOST,
+    pool: int = 0,
 ) -> Placement:
     """The :class:`RankLayout` of ``kv_caches`` (vLLM layer name → its view, as
     ``register_kv_caches`` gets them; ``kv_specs``: name → vLLM spec; ``layer_names``: name
     → kvbridge layer of ``spec``, whose groups have vLLM's block sizes). Where vLLM keeps
     kernel blocks whose tokens do not continue each other, the group is described in kernel
     blocks: :attr:`Placement.spec` says so, and :func:`kernel_tables` maps block ids. Groups
-    of one split share one pool of block ids, as vLLM's groups do."""
+    of one split share one pool of block ids, as vLLM's groups do. ``pool``: vLLM's blocks
+    (``KVCacheConfig.num_blocks``), what a group none of whose layers this PP stage holds
+    is described with (0: such a group refused)."""
     regions = storage_regions(kv_caches, memory)
     views: list[View] = []
     blocks: dict[int, tuple[int, int]] = {}
@@ -232,7 +235,8 @@ def gpu_rank_layout(
         if blocks.setdefault(g, (d.block_size, d.split)) != (d.block_size, d.split):
             raise ConfigError(f"{name}: blocks of {d.block_size} ×{d.split}, group: {blocks[g]}")
         views += vs
-    groups, splits, counts = _group_blocks(spec, blocks, views)
+    stage = _stage_layers(spec, par, [layer_names[n] for n in kv_caches])
+    groups, splits, counts = _group_blocks(spec, blocks, views, stage, pool)
     pools = tuple(sorted(set(splits)).index(s) for s in splits)
     sizes = tuple(g.block_size for g in groups)
     rank = RankLayout(regions.sizes, tuple(views), sizes, counts, pools)
@@ -241,14 +245,39 @@ def gpu_rank_layout(
     return Placement(rank, list(regions.bases), described, splits, memory, device)
 
 
+def _stage_layers(spec: ModelSpec, par: Parallel, held: Sequence[int]) -> range:
+    """The layers of the PP stage holding layers ``held`` (all of them without PP)."""
+    n = len(spec.layers)
+    if not held:
+        return range(n)
+    a, b = par.stage_ranges(n)[par.stage_of_layer(min(held), n)]
+    return range(a, b)
+
+
 def _group_blocks(
-    spec: ModelSpec, blocks: Mapping[int, tuple[int, int]], views: Sequence[View]
+    spec: ModelSpec,
+    blocks: Mapping[int, tuple[int, int]],
+    views: Sequence[View],
+    stage: range,
+    pool: int,
 ) -> tuple[tuple[Group, ...], tuple[int, ...], tuple[int, ...]]:
-    """Per spec group: the group as described, its split, the blocks (slots) held."""
+    """Per spec group: the group as described, its split, the blocks (slots) held. A group
+    none of whose layers lie in this PP ``stage`` is read and served by no view here: it
+    is vLLM's ``pool`` of blocks, undivided (its split on the stages holding it is unknown
+    here; P's scheduler refuses stages that describe a group in different blocks)."""
     groups, splits, counts = [], [], []
     for g, grp in enumerate(spec.groups):
         if g not in blocks:
-            raise ConfigError(f"group {grp.name}: vLLM registered none of its layers")
+            mine = [i for i in grp.layers if i in stage]
+            if mine or pool < 1:
+                raise ConfigError(
+                    f"group {grp.name}: vLLM registered none of its layers (of this PP "
+                    f"stage's layers {stage.start}..{stage.stop - 1}, it holds {mine})"
+                )
+            groups.append(grp)
+            splits.append(1)
+            counts.append(pool)
+            continue
         bs, split = blocks[g]
         if grp.block_size != bs * split:
             raise ConfigError(

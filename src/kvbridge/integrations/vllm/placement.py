@@ -47,6 +47,7 @@ def place(
         layout_name(vllm_config),
         cache.conv_dim_first,
         kind,
+        cache.num_blocks,
     )
 
 

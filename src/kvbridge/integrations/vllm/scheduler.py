@@ -19,7 +19,15 @@ from kvbridge.adapter import (
     increase,
     refusal,
 )
-from kvbridge.api import Keys, KVBridgeError, PeerError, Producer, RankInfo, TransferHandle
+from kvbridge.api import (
+    ConfigError,
+    Keys,
+    KVBridgeError,
+    PeerError,
+    Producer,
+    RankInfo,
+    TransferHandle,
+)
 from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
@@ -54,7 +62,7 @@ class SchedulerSide:
             return
         ranks = _ranks(infos)
         if ranks:
-            self.splits = table_splits(self.cache.spec, ranks[0].block_sizes)
+            self.splits = table_splits(self.cache.spec, _block_sizes(ranks))
         self.producer = self._producer(self.cfg.engine_id, self.cfg.port, ranks)
         if parks and self.cfg.park_blocks:
             if sorted(parks) != sorted(infos):
@@ -232,6 +240,23 @@ def _ranks(infos: dict[int, bytes]) -> list[RankInfo]:
         if info.rank != r:  # a worker whose PP stage or TP rank is not the one it says
             raise PeerError(f"the worker of rank {r} announced rank {info.rank}")
     return ranks
+
+
+def _block_sizes(ranks: list[RankInfo]) -> tuple[int, ...]:
+    """Per group, the tokens per block every rank describes (one handle's ids serve them
+    all, and D plans every P rank in rank 0's): a ConfigError where two ranks differ (a
+    PP stage holding no layer of a group describes it in vLLM's blocks; a stage holding
+    some may split them in kernel blocks)."""
+    first = tuple(ranks[0].block_sizes)
+    for info in ranks[1:]:
+        if tuple(info.block_sizes) != first:
+            raise ConfigError(
+                f"P's rank {info.rank} describes its groups in blocks of "
+                f"{list(info.block_sizes)} tokens, rank {ranks[0].rank} in {list(first)}: "
+                "one handle cannot name both (kernel blocks on a PP stage, vLLM's blocks "
+                "on a stage holding none of the group's layers)"
+            )
+    return first
 
 
 def _tokens(request: Any, handle: TransferHandle | None) -> int:
