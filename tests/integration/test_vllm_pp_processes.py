@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from kvbridge.adapter import HANDLE_KEY, decode_handle
 from kvbridge.integrations.vllm.metadata import StepMeta
 from tests.support.vllm_pp import (
     HEADS,
@@ -72,6 +73,12 @@ CASES: dict[str, tuple[tuple, tuple]] = {  # P, then D: (TP, PP, block[, other S
         (2, 1, 32, {**GPU, **MAMBA2}),
         (1, 2, 64, {**GPU, **MAMBA2, "partition": "3,1"}),
     ),
+    # P parks (park_blocks): each stage copies its layers' blocks, its caches then rewritten
+    "park-swa-pp2(3,1)->pp1": (
+        (1, 2, 32, {**SWA, "partition": "3,1", "park": 32}),
+        (1, 1, 64, SWA),
+    ),
+    "park-gpu-mamba-tp2pp2->pp2": ((2, 2, 32, {**GPU, **MAMBA2, "park": 32}), (1, 2, 64, MAMBA2)),
 }
 """``pp2(3,1)``: vLLM's partition set by ``VLLM_PP_LAYER_PARTITION`` (layers 0-2, 3), so
 D's stage 1 reads its layers from both P stages. The ``gpu`` cases take the connector's
@@ -145,23 +152,34 @@ def transfer(
     made.append(d := Engine(d_side, zygote))
     p.handshake()
     p_ids, d_ids = block_ids(1, N, p_side), block_ids(2, N, d_side)
-    meta = p.sched(Prefill(N))
-    assert isinstance(meta, StepMeta) and meta.save
+    meta = p.sched(Prefill(N, p_ids))
+    assert isinstance(meta, StepMeta) and meta.save and bool(meta.parks) == bool(p_side.park)
     p.each_worker(Step(meta, write=True, seed=7))
     delay, params = p.sched(Finish(p_ids))
-    assert delay and params is not None
+    assert params is not None and delay != bool(p_side.park)
+    p_caches = p.each_worker(Caches())
+    if p_side.park:  # vLLM reuses the blocks it got back: D must read the park
+        assert decode_handle(params[HANDLE_KEY]).engine_id == "P.park"
+        p.each_worker(Step(p.sched(Step()), write=True, seed=99))
     d_before = d.each_worker(Caches())
     meta = d.sched(Match(params, N, d_ids))
     assert isinstance(meta, StepMeta) and len(meta.loads) == 1
     d.each_worker(Step(meta))
     for done, failed in d.each_worker(Wait("d-req")):
         assert done == {"d-req"} and not failed
-    freed, end = p.sched(Step()).freed, time.monotonic() + 20.0
-    while not freed and time.monotonic() < end:  # D's confirms reach P asynchronously
+    ended, end = lease_end(p.sched(Step()), p_side), time.monotonic() + 20.0
+    while not ended and time.monotonic() < end:  # D's confirms reach P asynchronously
         time.sleep(0.01)
-        freed = p.sched(Step()).freed
-    assert freed == [("p-req", "done")]
-    return p.each_worker(Caches()), d_before, d.each_worker(Caches())
+        ended = lease_end(p.sched(Step()), p_side)
+    assert ended == [("p-req", "done")]
+    return p_caches, d_before, d.each_worker(Caches())
+
+
+def lease_end(meta: StepMeta, p_side: Side) -> list[tuple[str, str]]:
+    """The lease ends a step of P reports: vLLM's blocks freed, or the park's (counted)."""
+    if p_side.park:
+        return [("p-req", "done")] if meta.events.get("lease_done") else []
+    return meta.freed
 
 
 def side(name: str, role: str, args: tuple, **kw: object) -> Side:

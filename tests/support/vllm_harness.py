@@ -121,6 +121,10 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("reset_prefix_cache"))
 
+    def park_taken(self) -> int:
+        """Slots a P's park gave so far, all requests (``core_process=False`` only)."""
+        return int(self._call("park_taken"))
+
     def scheduler_requests(self) -> int:
         """Requests vLLM's scheduler holds, finished ones whose blocks wait on the
         connector included (an engine of ``core_process=False`` only)."""
@@ -265,6 +269,9 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
         return llm.reset_prefix_cache()
     if cmd == "scheduler_requests":  # core_process=False: vLLM's scheduler is here
         return len(llm.llm_engine.engine_core.engine_core.scheduler.requests)
+    if cmd == "park_taken":
+        book = llm.llm_engine.engine_core.engine_core.scheduler.connector.sched.book
+        return book.taken
     if cmd != "generate":
         raise ValueError(f"unknown command {cmd!r}")
     from vllm import SamplingParams

@@ -17,7 +17,7 @@ workers' handshake metadata keyed ``(pp_rank, tp_rank)``, and each step's
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
@@ -69,6 +69,8 @@ class Side:
     """``VLLM_PP_LAYER_PARTITION`` of the engine's processes (layers per stage), if any."""
     model: str = "full"
     """The model (``tests.support.vllm_pp_models``): ``full``, ``swa`` or ``mamba``."""
+    park: int = 0
+    """P: the connector's ``park_blocks`` (0: none)."""
 
     @property
     def world(self) -> int:
@@ -89,6 +91,8 @@ def layer_name(i: int) -> str:
 def vllm_config(side: Side) -> Any:
     """What the connector and vLLM's KV cache functions read of a ``VllmConfig``."""
     extra = {"secret": "pp-s3cret", "transport": side.transport, "model_id": "m", "timeout_s": 20}
+    if side.park:
+        extra["park_blocks"] = side.park
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             kv_role=side.role, engine_id=side.name, kv_connector_extra_config=extra
@@ -164,9 +168,11 @@ class Handshake:
 @dataclass(frozen=True)
 class Prefill:
     """P's scheduler: a request of ``n + 1`` prompt tokens for remote decode (P prefills
-    ``n``); the step's :class:`StepMeta`."""
+    ``n``), holding vLLM blocks ``ids`` (per group, as the scheduler's output names them);
+    the step's :class:`StepMeta`."""
 
     n: int
+    ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -234,7 +240,8 @@ class SchedulerPart:
                 _all_token_ids=list(ids),
             )
             self.conn.on_new_request(self.req)
-            steps = SimpleNamespace(num_scheduled_tokens={"p-req": cmd.n})
+            new = SimpleNamespace(req_id="p-req", block_ids=tuple(cmd.ids), num_computed_tokens=0)
+            steps = SimpleNamespace(num_scheduled_tokens={"p-req": cmd.n}, scheduled_new_reqs=[new])
             return self.conn.build_connector_meta(steps)
         if isinstance(cmd, Finish):
             return self.conn.request_finished_all_groups(self.req, tuple(cmd.ids))

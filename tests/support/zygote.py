@@ -45,9 +45,16 @@ class Zygote:
     def start(self, target: str, *args: Any) -> Connection:
         """A new process running ``module.target(conn, *args)``; the parent's end of its
         pipe (its first reply: ``"ready"``, see :func:`booted`)."""
-        self.conn.send((target, args))
-        conn = _answer(self.conn, -1, f"start {target}", time.monotonic() + 30.0)
-        assert isinstance(conn, Connection), conn
+        # the pipe is made here and the child's end sent: a descriptor in flight (held
+        # by multiprocessing's resource sharer until fetched) is then this process's, and
+        # no sibling the zygote forks later can inherit the parent's end
+        conn, theirs = mp.Pipe()
+        try:
+            self.conn.send((target, args, theirs))
+            reply = _answer(self.conn, -1, f"start {target}", time.monotonic() + 30.0)
+        finally:
+            theirs.close()
+        assert reply == "started", reply
         self.children = [c for c in self.children if not c.closed] + [conn]
         return conn
 
@@ -125,14 +132,12 @@ def _zygote(conn: Connection, module: str) -> None:
             break
         if msg is None:
             break
-        target, args = msg
-        mine, theirs = fork.Pipe()
-        run = (getattr(mod, target), theirs, args, (conn, mine))
-        proc = fork.Process(target=_child, args=run, daemon=True)
+        target, args, theirs = msg  # the child's end, fetched from the parent
+        proc = fork.Process(target=_child, args=(getattr(mod, target), theirs, args, (conn,)))
+        proc.daemon = True
         proc.start()
-        theirs.close()
-        conn.send(mine)  # its descriptor travels through multiprocessing's resource sharer
-        mine.close()
+        theirs.close()  # before the reply: no later child inherits it
+        conn.send("started")
         mp.active_children()  # reaps those that left
     end = time.monotonic() + STOP_TIMEOUT_S  # one deadline for all, then they are ended
     for proc in mp.active_children():
@@ -143,10 +148,9 @@ def _zygote(conn: Connection, module: str) -> None:
 
 
 def _child(target: Any, conn: Connection, args: tuple, inherited: tuple) -> None:
-    """``target(conn, *args)`` in a forked child, once it closed the pipe ends it
-    inherited from the zygote (the zygote's channel, the parent's end of its own pipe):
-    a parent closing its end is then an end of file here, and the zygote's death one
-    there."""
+    """``target(conn, *args)`` in a forked child, once it closed the zygote's channel it
+    inherited: a parent closing its end of ``conn`` is an end of file here (no other
+    process holds that end: the parent made the pipe), and the zygote's death one there."""
     for end in inherited:
         end.close()
     target(conn, *args)

@@ -244,7 +244,8 @@ def test_auto_loads_do_not_wait_behind_a_prepares_measurement(monkeypatch) -> No
 def test_preparing_p_prepares_the_instances_of_its_own_it_names(shm: ShmPool) -> None:
     """A vLLM P's park is a P instance of its own (``P.park``): P names it at the
     handshake, and D prepares it with P, so its first parked load needs no handshake; a
-    name that is not one of P's own (``Q``) is not followed."""
+    name that is not one of P's own (``Q``) is not followed, one that fails is logged
+    and P is prepared all the same, and only the first 4 named are followed."""
     w = World(p_memory=shm)
     park = Producer("P.park", w.spec, w.p.par, SECRET)
     other = Producer("Q", w.spec, w.p.par, SECRET)
@@ -252,11 +253,13 @@ def test_preparing_p_prepares_the_instances_of_its_own_it_names(shm: ShmPool) ->
         for prod in (park, other):
             for info in w.producer.ranks.values():
                 prod.add_rank(info)
-        w.producer.companions = [("Q", other.endpoint), ("P.park", park.endpoint)]
+        dead = ("P.dead", "tcp://127.0.0.1:9")  # a companion that fails: logged only
+        w.producer.companions = [("Q", other.endpoint), dead, ("P.park", park.endpoint)]
+        w.producer.companions += [(f"P.more{i}", park.endpoint) for i in range(3)]
         d = w.consumers[0]
-        d.prepare(w.producer.endpoint, "P").result(timeout=10)
+        assert d.prepare(w.producer.endpoint, "P").result(timeout=20) == w.producer.epoch
         handle = park.prefill_done("r1", [[1], [2, 3]], 20)
-        assert len(d.peers) == 2 and d.peers.ready(handle) is not None
+        assert len(d.peers) == 2 and d.peers.ready(handle) is not None  # at most 4 named
         d.peers.done(d.peers.ready(handle))
         assert d.peers.known(other.prefill_done("r2", [[1], [2, 3]], 20)) is None
     finally:

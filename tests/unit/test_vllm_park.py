@@ -57,10 +57,14 @@ def check_copy(caches: dict, placed: Placement, src: list, dst: list) -> None:
             want = read_view(raw, v, seg, 1)
             assert got.shape[1:] == want.shape[1:] and got.shape[0] == PARK * s
             for b, p in zip(src[g], dst[g], strict=True):
+                if not b:
+                    continue  # null: not copied (its park block is checked as kept)
                 for k in range(s):
                     assert np.array_equal(got[p * s + k], want[b * s + k]), (v, b, p)
             # groups sharing a region (one vLLM pool) write each other's pages
-            kept = set(range(PARK * s)) - {p * s + k for t in dst for p in t for k in range(s)}
+            pairs = [bp for t in zip(src, dst, strict=True) for bp in zip(*t, strict=True)]
+            written = {p * s + k for b, p in pairs if b for k in range(s)}
+            kept = set(range(PARK * s)) - written
             assert all((got[i] == 0xAB).all() for i in kept), (v.layer, v.stream)
 
 
@@ -166,3 +170,16 @@ def test_park_copies_rank_1_of_tp_2(layout: str) -> None:
     eng = attn_engine("kv", layout, 16, None, tp=2)
     filled(eng[0])
     check_copy(eng[0], describe("kv", eng, 2, 1, layout), SRC, DST)
+
+
+def test_gathers_of_one_block_and_null_entries_copy_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bounded gathers (``COPY_BYTES`` down to one block per gather) copy every block;
+    a null entry (vLLM's block 0, a dropped block) is not copied: park block 0 keeps its
+    bytes."""
+    monkeypatch.setattr(park_mod, "COPY_BYTES", 1)
+    eng = attn_engine("kv", "BLNHC", 16, None)
+    filled(eng[0])
+    placed = describe("kv", eng, 1, 0, "BLNHC")
+    check_copy(eng[0], placed, [[4, 0, 1, 5]], [[3, 0, 1, 2]])

@@ -117,7 +117,7 @@ def test_only_blocks_d_reads_take_slots_and_are_copied() -> None:
     ((_, copied, slots),) = book.orders(step({"a": 128}, (new("a", [[1, 2, 3, 4], [5, 6]]),)))
     assert copied[0] == [0, 0, 3, 4] and slots[0][:2] == [0, 0] and all(slots[0][2:])
     assert copied[1] == [5, 6] and all(slots[1])
-    assert len(book.free) == 3
+    assert len(book.free) == 3 and book.taken == 4
     assert book.settle("a", [[0, 2, 3, 4], [5, 6]], True) == [[0, 0, *slots[0][2:]], slots[1]]
 
 

@@ -32,12 +32,13 @@ def parked_p(models: Path) -> Iterator[Engine]:
     yield from (e for (e,) in closing(p))
 
 
-def drained(p: Engine) -> bool:
-    """Step ``p`` (its engine core steps only inside a call) until vLLM holds no
-    request: D's confirmations may reach P just after D's call returned."""
+def drained(p: Engine, done: int) -> bool:
+    """Step ``p`` (its engine core steps only inside a call) until vLLM holds no request
+    and ``done`` leases (parked or not) ended since: D's confirmations may reach P just
+    after D's call returned."""
     for _ in range(50):
         p.generate(prompts(10, (40,)), 1)
-        if p.scheduler_requests() == 0:
+        if p.scheduler_requests() == 0 and p.rpc(connector_totals)[0].get("leases_done", 0) >= done:
             return True
         time.sleep(0.1)
     return False
@@ -65,7 +66,8 @@ def test_parked_and_held_requests_are_token_exact_and_counted(
         assert parked_p.scheduler_requests() == held
         out = d.generate(batch, 16, [o.kv_transfer_params for o in pre])
         assert [o.tokens for o in out] == ref
-        assert drained(parked_p)  # D confirmed: the held ones freed; counts at the workers
+        done = before.get("leases_done", 0) + n  # D confirmed every one
+        assert drained(parked_p, done)  # the held ones freed; counts at the workers
         after = parked_p.rpc(connector_totals)[0]
         counted = {k: after.get(k, 0) - before.get(k, 0) for k in ("park_parked", "park_held")}
         assert counted == {"park_parked": n - held, "park_held": held}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.vllm_harness import Engine, connector_totals
-from tests.vllm_engines.conftest import closing, pd, prompts, start, start_all
+from tests.vllm_engines.conftest import closing, handle_of, pd, prompts, start, start_all
 
 pytestmark = pytest.mark.vllm
 
@@ -32,6 +32,14 @@ def test_tp_token_exact(tp_engines: tuple[Engine, ...], direction: str) -> None:
     assert pd(p, d, batch) == ref
 
 
+def park_slots(name: str, n: int, block: int) -> int:
+    """Park slots of a prompt of ``n`` tokens: every block of the full attention group,
+    and for each of Gemma-3's 3 sliding groups (window 64) the blocks of the last 63."""
+    full = -(-n // block)
+    window = full - max(n - 63, 0) // block if name == "gemma3" else 0
+    return full + 3 * window
+
+
 @pytest.mark.parametrize(("name", "p_block", "d_block"), [("qwen3", 128, 32), ("gemma3", 32, 128)])
 def test_model_token_exact(
     models: Path, llama_pair: tuple[Engine, ...], name: str, p_block: int, d_block: int
@@ -48,13 +56,20 @@ def test_model_token_exact(
         # Gemma-3's window is 64: prompts longer than it, at and around block edges
         batch = prompts(20, (300, 64, 65, 191, 129, 40))
         ref = [o.tokens for o in p.generate(batch, 16)]
+        p.reset_prefix_cache()  # prefilled whole: vLLM's tables hold every block
+        taken = p.park_taken()
+        pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
+        # slots for the blocks D reads only (Gemma: 3 windows of 64, then a full layer)
+        want = sum(park_slots(name, len(x) - 1, p_block) for x in batch)
+        assert p.park_taken() - taken == want
+        assert [handle_of(o.kv_transfer_params).engine_id for o in pre] == [f"{name}-p.park"] * 6
+        out = d.generate(batch, 16, [o.kv_transfer_params for o in pre])
+        assert [o.tokens for o in out] == ref
         served: list[str] = []
-        assert pd(p, d, batch, served_by=served) == ref
-        assert served == [f"{name}-p.park"] * len(batch)  # Gemma: the windows' blocks only
         back = prompts(21, (250, 97))  # and the other way
         ref_back = [o.tokens for o in d.generate(back, 16)]
         assert pd(d, p, back, served_by=served) == ref_back
-        assert served[len(batch) :] == [f"{name}-d"] * len(back)
+        assert served == [f"{name}-d"] * len(back)
         # a handle from this model's P given to a Llama D: refused by the model hash at
         # the handshake (a typed IncompatibleError), recomputed, and D keeps serving
         llama_d = llama_pair[0]

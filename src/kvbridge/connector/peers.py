@@ -39,6 +39,10 @@ from kvbridge.transport.base import Transport
 log = logging.getLogger(__name__)
 
 
+COMPANIONS = 4
+"""Most companions of a P kept (and prepared with it: :mod:`kvbridge.connector.prepare`)."""
+
+
 @dataclass(slots=True)
 class Peer:
     engine_id: str
@@ -300,7 +304,7 @@ class PeerCache:
             },
             ranks={i.rank: i for i in reply.ranks},
             remake=partial(self._remake, spec_p, p_par, p_bound),
-            companions=tuple((str(e), str(a)) for e, a in reply.companions),
+            companions=tuple((str(e), str(a)) for e, a in reply.companions[:COMPANIONS]),
         )
 
     def _remake(

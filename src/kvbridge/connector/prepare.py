@@ -39,19 +39,17 @@ class Preparing(Rank, Protocol):
 log = logging.getLogger(__name__)
 
 
-COMPANIONS = 4
-"""Most companions of a P prepared with it (:func:`prepare`)."""
-
-
 def prepare(d: Preparing, target: Target, companions: bool = True) -> str:
     """Make ``target`` ready for loads that start on the engine's thread → the P epoch
     prepared (a later handle of another epoch handshakes again). A peer cached for an
     epoch P no longer answers with (P restarted) is replaced. Typed errors as a load's
     handshake would raise them (P down, another engine id, another model). Then the P
     instances of P's own it named (``<engine id>.<name>``: a vLLM P's park), at most
-    :data:`COMPANIONS`, each failure logged only."""
+    ``peers.COMPANIONS``, each failure logged only."""
     epoch, named = _prepare(d, target)
-    for eid, endpoint in named[:COMPANIONS] if companions else ():
+    for eid, endpoint in named if companions else ():
+        if d.closing():
+            break
         if not eid.startswith(f"{target.engine_id}."):
             log.warning("kvbridge: P %s names %r, not one of its own", target.engine_id, eid)
             continue

@@ -32,6 +32,8 @@ class ParkBook:
         """Copied in a step (blocks, slots), the request not ended yet."""
         self.held: dict[str, list[int]] = {}
         """Slots under a park lease, by request id."""
+        self.taken = 0
+        """Slots taken so far (blocks copied into the park), all requests."""
 
     def watch(self, request_id: str, n_prompt: int) -> None:
         self.prompt[request_id] = n_prompt
@@ -93,6 +95,7 @@ class ParkBook:
         )
         if need > len(self.free):
             return None
+        self.taken += need
         return [
             [self.free.pop() if b and i in keep[g] else 0 for i, b in enumerate(tab)]
             for g, tab in enumerate(blocks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from kvbridge.adapter import (
@@ -63,17 +64,26 @@ class SchedulerSide:
         ranks = _ranks(infos)
         if ranks:
             self.splits = table_splits(self.cache.spec, _block_sizes(ranks))
-        self.producer = self._producer(self.cfg.engine_id, self.cfg.port, ranks)
+        named: list[tuple[str, str]] = []
         if parks and self.cfg.park_blocks:
             if sorted(parks) != sorted(infos):
                 raise PeerError(f"workers {sorted(parks)} of {sorted(infos)} have a park")
             eid = f"{self.cfg.engine_id}.park"
             self.park = self._producer(eid, self.cfg.park_port, _ranks(parks))
-            self.producer.companions = [(eid, self.park.endpoint)]  # D prepares both
+            named = [(eid, self.park.endpoint)]  # D prepares both
             groups = len(self.cache.spec.groups)
             self.book = ParkBook(self.cfg.park_blocks, groups, park_keep(self.cache))
+        self.producer = self._producer(self.cfg.engine_id, self.cfg.port, ranks, named)
 
-    def _producer(self, engine_id: str, port: int, ranks: list[RankInfo]) -> Producer:
+    def _producer(
+        self,
+        engine_id: str,
+        port: int,
+        ranks: list[RankInfo],
+        named: Sequence[tuple[str, str]] = (),
+    ) -> Producer:
+        """A P instance of ``ranks``, naming ``named`` at every handshake it answers (set
+        before its ranks: it answers none before)."""
         p = Producer(
             engine_id,
             self.cache.spec,
@@ -86,6 +96,7 @@ class SchedulerSide:
             self.cfg.advertise,
             Keys.load(self.cfg.keys_file) if self.cfg.keys_file else None,
         )
+        p.companions = list(named)
         for info in ranks:
             p.add_rank(info)
         log.info("kvbridge P %s serves handshakes on %s", engine_id, p.endpoint)
