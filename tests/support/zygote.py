@@ -52,9 +52,12 @@ class Zygote:
         try:
             self.conn.send((target, args, theirs))
             reply = _answer(self.conn, -1, f"start {target}", time.monotonic() + 30.0)
+            assert reply == "started", reply
+        except BaseException:
+            conn.close()
+            raise
         finally:
             theirs.close()
-        assert reply == "started", reply
         self.children = [c for c in self.children if not c.closed] + [conn]
         return conn
 

@@ -246,23 +246,24 @@ def test_preparing_p_prepares_the_instances_of_its_own_it_names(shm: ShmPool) ->
     handshake, and D prepares it with P, so its first parked load needs no handshake; a
     name that is not one of P's own (``Q``) is not followed, one that fails is logged
     and P is prepared all the same, and only the first 4 named are followed."""
-    w = World(p_memory=shm)
-    park = Producer("P.park", w.spec, w.p.par, SECRET)
-    other = Producer("Q", w.spec, w.p.par, SECRET)
+    w = World(p_memory=shm, timeout_s=1.0)
+    names = ("P.park", "Q", "P.x", "P.y")
+    made = {n: Producer(n, w.spec, w.p.par, SECRET) for n in names}
     try:
-        for prod in (park, other):
+        for prod in made.values():
             for info in w.producer.ranks.values():
                 prod.add_rank(info)
         dead = ("P.dead", "tcp://127.0.0.1:9")  # a companion that fails: logged only
-        w.producer.companions = [("Q", other.endpoint), dead, ("P.park", park.endpoint)]
-        w.producer.companions += [(f"P.more{i}", park.endpoint) for i in range(3)]
+        named = [(n, made[n].endpoint) for n in ("Q", "P.park", "P.x", "P.y")]
+        w.producer.companions = [named[0], dead, *named[1:]]  # P.y is the 5th
         d = w.consumers[0]
         assert d.prepare(w.producer.endpoint, "P").result(timeout=20) == w.producer.epoch
-        handle = park.prefill_done("r1", [[1], [2, 3]], 20)
-        assert len(d.peers) == 2 and d.peers.ready(handle) is not None  # at most 4 named
+        handle = made["P.park"].prefill_done("r1", [[1], [2, 3]], 20)
+        assert len(d.peers) == 3 and d.peers.ready(handle) is not None  # P, P.park, P.x
         d.peers.done(d.peers.ready(handle))
-        assert d.peers.known(other.prefill_done("r2", [[1], [2, 3]], 20)) is None
+        for n in ("Q", "P.y"):
+            assert d.peers.known(made[n].prefill_done("r2", [[1], [2, 3]], 20)) is None
     finally:
         w.close()
-        park.close()
-        other.close()
+        for prod in made.values():
+            prod.close()

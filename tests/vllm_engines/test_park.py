@@ -82,7 +82,7 @@ def test_a_parked_request_survives_vllm_reusing_its_blocks(
     d = llama_pair[1]
     batch = prompts(11, (100, 65))
     ref = [o.tokens for o in parked_p.generate(batch, 16)]
-    parked_p.reset_prefix_cache()
+    assert parked_p.reset_prefix_cache()
     pre = parked_p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
     try:
         assert served_by(pre) == ["llama-park.park"] * 2
