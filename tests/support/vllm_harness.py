@@ -121,6 +121,10 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("reset_prefix_cache"))
 
+    def park_free(self) -> int:
+        """Free slots of a P's park (``core_process=False`` only)."""
+        return int(self._call("park_free"))
+
     def park_taken(self) -> int:
         """Slots a P's park gave so far, all requests (``core_process=False`` only)."""
         return int(self._call("park_taken"))
@@ -269,6 +273,9 @@ def _run(llm: Any, cmd: str, args: tuple[Any, ...]) -> Any:
         return llm.reset_prefix_cache()
     if cmd == "scheduler_requests":  # core_process=False: vLLM's scheduler is here
         return len(llm.llm_engine.engine_core.engine_core.scheduler.requests)
+    if cmd == "park_free":
+        book = llm.llm_engine.engine_core.engine_core.scheduler.connector.sched.book
+        return len(book.free)
     if cmd == "park_taken":
         book = llm.llm_engine.engine_core.engine_core.scheduler.connector.sched.book
         return book.taken

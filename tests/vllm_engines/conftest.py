@@ -41,11 +41,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llama_pair(models: Path) -> Iterator[tuple[Engine, ...]]:
     """Llama engines with block 32 and block 128, shared by all modules. Tests leave them
-    as they found them (a test that scrambles a cache resets the prefix cache after)."""
+    as they found them (a test that scrambles a cache resets the prefix cache after).
+    Block 32 parks (``park_blocks`` 17: 16 blocks, so a batch of its tests is partly
+    parked, partly served from vLLM's blocks; test_park.py); block 128 does not."""
     yield from closing(
         *start_all(
             models,
-            ("llama", "llama-b32", {"block_size": 32, "cpus": "0"}),
+            ("llama", "llama-b32", {"block_size": 32, "cpus": "0", "extra": {"park_blocks": 17}}),
             ("llama", "llama-b128", {"block_size": 128, "cpus": "1"}),
         )
     )

@@ -8,7 +8,10 @@ from typing import Any
 
 
 def scramble_cache(worker: Any) -> int:
-    """For :meth:`Engine.rpc`: overwrite every KV tensor of one vLLM worker with noise."""
+    """For :meth:`Engine.rpc`: overwrite every KV tensor of one vLLM worker with noise,
+    and the connector's park, if P has one (where parked requests' KV waits)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     n = 0
     seen: set[int] = set()
     for t in worker.model_runner.kv_caches:
@@ -18,6 +21,10 @@ def scramble_cache(worker: Any) -> int:
                 seen.add(ptr)
                 x.normal_()
                 n += 1
+    side = get_kv_transfer_group().worker
+    for raw in side.park.dst if side is not None and side.park is not None else ():
+        raw.random_(0, 256)
+        n += 1
     return n
 
 
