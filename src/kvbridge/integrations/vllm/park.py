@@ -29,6 +29,8 @@ from kvbridge.integrations.vllm.gpu_layout import Placement, layer_tensors
 
 BlockIds = list[list[int]]
 """vLLM block ids, one list per KV cache group."""
+Ids = Sequence[Sequence[int] | np.ndarray]
+"""vLLM block ids per KV cache group, as lists or arrays."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class Park:
         self.layout = park_layout(placed.layout, self.slabs, placed.splits, park_blocks)
         self.bases = [d.data_ptr() for d in self.dst]
 
-    def copy(self, src: BlockIds, dst: BlockIds) -> None:
+    def copy(self, src: Ids, dst: Ids) -> None:
         """Copy vLLM blocks ``src[g][i]`` into park blocks ``dst[g][i]``, every group (null
         entries skipped), on the device's current stream (after the step's KV writes
         queued before), gathers of at most :data:`COPY_BYTES`."""
@@ -193,9 +195,10 @@ Index = tuple[torch.Tensor, torch.Tensor] | None
 """vLLM block ids to read and park blocks to write, on a slab's device (None: none)."""
 
 
-def _index(groups: tuple[int, ...], src: BlockIds, dst: BlockIds, on: torch.device) -> Index:
-    pairs = [(x, y) for g in groups for x, y in zip(src[g], dst[g], strict=True) if x]
-    if not pairs:
+def _index(groups: tuple[int, ...], src: Ids, dst: Ids, on: torch.device) -> Index:
+    si = np.concatenate([np.asarray(src[g], dtype=np.int64) for g in groups])
+    di = np.concatenate([np.asarray(dst[g], dtype=np.int64) for g in groups])
+    live = si != 0  # null entries: nothing to copy
+    if not live.any():
         return None
-    ids = np.asarray(pairs, dtype=np.int64)
-    return torch.as_tensor(ids[:, 0], device=on), torch.as_tensor(ids[:, 1], device=on)
+    return torch.as_tensor(si[live], device=on), torch.as_tensor(di[live], device=on)

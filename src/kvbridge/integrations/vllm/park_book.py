@@ -8,10 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvbridge.integrations.vllm.park import BlockIds
 
-Order = tuple[str, BlockIds, BlockIds]
-"""``(request id, vLLM blocks, park slots)``: copy each block to its slot, per group."""
+Slots = tuple[list[np.ndarray], list[np.ndarray]]
+"""Per group: vLLM blocks followed, and the park slot of each (0: none)."""
+Order = tuple[str, list[np.ndarray], list[np.ndarray]]
+"""``(request id, vLLM blocks, park slots)``: copy each block to its slot, per group
+(a block without a slot is null)."""
 
 
 Keep = Callable[[int, int], range]
@@ -28,7 +33,7 @@ class ParkBook:
         """Requests prefilled for remote decode, not yet ordered: tokens to prefill."""
         self.blocks: dict[str, BlockIds] = {}
         """Their vLLM blocks as the scheduler's outputs gave them to the workers."""
-        self.ordered: dict[str, tuple[BlockIds, BlockIds]] = {}
+        self.ordered: dict[str, Slots] = {}
         """Copied in a step (blocks, slots), the request not ended yet."""
         self.held: dict[str, list[int]] = {}
         """Slots under a park lease, by request id."""
@@ -52,14 +57,13 @@ class ParkBook:
             blocks = self.blocks.pop(rid)
             if rid in self.held or rid in self.ordered:
                 continue  # its id still parked: served from vLLM's blocks
-            slots = self._take(blocks, n)
-            if slots is not None:
-                self.ordered[rid] = (blocks, slots)
-                copied = [
-                    [b if s else 0 for b, s in zip(*t, strict=True)]
-                    for t in zip(blocks, slots, strict=True)
-                ]
-                out.append((rid, copied, slots))
+            took = self._take(blocks, n)
+            if took is not None:
+                self.ordered[rid] = took
+                tabs, slots = took
+                out.append(
+                    (rid, [np.where(s != 0, b, 0) for b, s in zip(tabs, slots, strict=True)], slots)
+                )
         return out
 
     def _follow(self, scheduled: Any) -> dict[str, int]:
@@ -86,24 +90,31 @@ class ParkBook:
             out[rid] = int(cached.num_computed_tokens[i])
         return {rid: c for rid, c in out.items() if len(self.blocks[rid]) == self.groups}
 
-    def _take(self, blocks: BlockIds, n: int) -> BlockIds | None:
+    def _take(self, followed: list[list[int]], n: int) -> Slots | None:
         """A slot for each block D may read (none for a null one, or one before a
-        window), or None if too few are free."""
-        keep = [self.keep(g, n) for g in range(len(blocks))]
-        need = sum(
-            1 for g, tab in enumerate(blocks) for i, b in enumerate(tab) if b and i in keep[g]
-        )
+        window), or None if too few are free; by numpy, per group."""
+        blocks = [np.asarray(tab, dtype=np.int64) for tab in followed]
+        wanted = []
+        for g, tab in enumerate(blocks):
+            keep = self.keep(g, n)
+            at = np.arange(len(tab))
+            wanted.append((tab != 0) & (at >= keep.start) & (at < keep.stop))
+        need = sum(int(w.sum()) for w in wanted)
         if need > len(self.free):
             return None
         self.taken += need
-        return [
-            [self.free.pop() if b and i in keep[g] else 0 for i, b in enumerate(tab)]
-            for g, tab in enumerate(blocks)
-        ]
+        slots = []
+        for w in wanted:
+            k = int(w.sum())
+            row = np.zeros(len(w), dtype=np.int64)
+            row[w] = self.free[len(self.free) - k :][::-1]
+            del self.free[len(self.free) - k :]
+            slots.append(row)
+        return blocks, slots
 
     def settle(
         self, request_id: str, block_ids: Sequence[Sequence[int]], ok: bool
-    ) -> BlockIds | None:
+    ) -> list[np.ndarray] | None:
         """At ``request_finished``: the parked copy of ``block_ids`` (vLLM's blocks at the
         end) as park slots, if ``ok`` (the request ended prefilled) and the blocks are
         those copied (null where vLLM dropped one); None otherwise, its slots back."""
@@ -114,10 +125,11 @@ class ParkBook:
             return None
         blocks, slots = copied
         mapped = _mapped(block_ids, blocks, slots) if ok else None
-        used = {s for tab in mapped or () for s in tab if s}
-        self.free.extend(s for tab in slots for s in tab if s and s not in used)
+        used = np.concatenate([*(m[m != 0] for m in mapped or ()), np.zeros(0, np.int64)])
+        taken = np.concatenate([s[s != 0] for s in slots])
+        self.free.extend(taken[~np.isin(taken, used)].tolist())
         if mapped is not None:
-            self.held[request_id] = sorted(used)
+            self.held[request_id] = used.tolist()
         return mapped
 
     def ended(self, request_id: str) -> None:
@@ -125,7 +137,9 @@ class ParkBook:
         self.free.extend(self.held.pop(request_id, ()))
 
 
-def _mapped(final: Sequence[Sequence[int]], blocks: BlockIds, slots: BlockIds) -> BlockIds | None:
+def _mapped(
+    final: Sequence[Sequence[int]], blocks: list[np.ndarray], slots: list[np.ndarray]
+) -> list[np.ndarray] | None:
     """``final`` with each block replaced by its slot (null where vLLM's is, or where
     no slot was taken: a block D does not read); None if a block is not the one
     followed at its place, or there are more than followed."""
@@ -133,12 +147,11 @@ def _mapped(final: Sequence[Sequence[int]], blocks: BlockIds, slots: BlockIds) -
         return None
     out = []
     for fin, tab, sl in zip(final, blocks, slots, strict=True):
-        if len(fin) > len(tab):
+        got = np.asarray(fin, dtype=np.int64)
+        if len(got) > len(tab):
             return None
-        row = []
-        for i, b in enumerate(fin):
-            if b and b != tab[i]:
-                return None
-            row.append(sl[i] if b else 0)
-        out.append(row)
+        live = got != 0
+        if np.any(got[live] != tab[: len(got)][live]):
+            return None
+        out.append(np.where(live, sl[: len(got)], 0))
     return out

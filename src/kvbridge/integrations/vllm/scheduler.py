@@ -128,7 +128,7 @@ class SchedulerSide:
         if not ok:
             return False, None  # aborted or never prefilled: nothing for D
         n, prompt = request.num_prompt_tokens, getattr(request, "prompt_token_ids", None)
-        handle = self._parked(request.request_id, parked, n, prompt) if parked else None
+        handle = None if parked is None else self._parked(request.request_id, parked, n, prompt)
         if self.book is not None:
             self._events["park_parked" if handle is not None else "park_held"] += 1
         if handle is not None:  # vLLM frees its blocks now
@@ -138,7 +138,7 @@ class SchedulerSide:
         return True, {HANDLE_KEY: encode_handle(handle)}
 
     def _parked(
-        self, request_id: str, slots: list[list[int]], n: int, prompt: Any
+        self, request_id: str, slots: list[Any], n: int, prompt: Any
     ) -> TransferHandle | None:
         """The park's handle of ``request_id`` (its ``slots``), or None (slots back)."""
         assert self.park is not None and self.book is not None

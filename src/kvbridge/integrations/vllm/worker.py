@@ -13,6 +13,8 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from kvbridge.adapter import Loading, LoadJob, Tally, decode_handle, increase
 from kvbridge.adapter.metrics import Sample
 from kvbridge.api import (
@@ -132,9 +134,11 @@ class WorkerSide:
         queued on the current stream), so that no handle of the step leaves before them;
         a step without a request prefilled for remote decode (``meta.save``) does not wait."""
         if self.park is not None and meta.parks:  # queued after the step's KV writes
-            groups = range(len(meta.parks[0][1]))
-            blocks = [[b for _, bs, _ in meta.parks for b in bs[g]] for g in groups]
-            self.park.copy(blocks, [[s for *_, ss in meta.parks for s in ss[g]] for g in groups])
+            src, dst = (
+                [np.concatenate(t) for t in zip(*(o[k] for o in meta.parks), strict=True)]
+                for k in (1, 2)
+            )
+            self.park.copy(src, dst)
         if self.producer is not None and (meta.save or meta.parks):
             self.producer.written()
 
