@@ -12,6 +12,7 @@ from kvbridge.adapter.jobs import (
     Requests,
     edge_tables,
     failure,
+    state_slot,
     state_tables,
 )
 from kvbridge.adapter.metrics import (
@@ -42,6 +43,7 @@ __all__ = [
     "reduce",
     "refusal",
     "register_metric",
+    "state_slot",
     "state_tables",
     "summed",
 ]

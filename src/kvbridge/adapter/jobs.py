@@ -40,6 +40,13 @@ class LoadJob:
     load fails with this error, nothing is sent to P."""
 
 
+def state_slot(block_size: int, mode: str, n_computed: int) -> int:
+    """Where in a state group's block table the running state after ``n_computed``
+    tokens is: block 0 in vLLM's ``mamba_cache_mode`` ``"none"``, block ``(n-1) //
+    size`` in ``"align"``."""
+    return 0 if mode == "none" else max(n_computed - 1, 0) // block_size
+
+
 def state_tables(
     tables: Tables, state_blocks: Mapping[int, int], mode: str, n_computed: int
 ) -> Tables:
@@ -53,7 +60,7 @@ def state_tables(
         return tables
     ids = list(tables.ids)
     for g, bs in state_blocks.items():
-        i = 0 if mode == "none" else max(n_computed - 1, 0) // bs
+        i = state_slot(bs, mode, n_computed)
         if g < len(ids):  # else too few tables: the rank's check refuses their count
             tab = ids[g]
             ids[g] = tab[i : i + 1] if i < len(tab) and tab[i] != 0 else tab[:0]

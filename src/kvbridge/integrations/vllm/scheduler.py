@@ -19,6 +19,7 @@ from kvbridge.adapter import (
     encode_handle,
     increase,
     refusal,
+    state_slot,
 )
 from kvbridge.api import (
     ConfigError,
@@ -236,7 +237,7 @@ def park_keep(cache: VllmCache) -> Keep:
 
     def keep(g: int, n: int) -> range:
         if g in cache.state_blocks:
-            at = max(n - 1, 0) // cache.state_blocks[g] if cache.state_mode == "align" else 0
+            at = state_slot(cache.state_blocks[g], cache.state_mode, n)  # as the handle's
             return range(at, at + 1)
         start, end = spec.layers[spec.groups[g].layers[0]].needed_tokens(n, 0)
         size = spec.groups[g].block_size
