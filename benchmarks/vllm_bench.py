@@ -55,7 +55,7 @@ NIXL = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
 CONNECTORS = ("kvbridge", "nixl")
 SIDE_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
-_SITECUSTOMIZE = f"""import sys
+SITECUSTOMIZE = f"""import sys
 
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})  # this checkout's benchmarks/
 
@@ -108,11 +108,13 @@ CASES = [
 QUICK = ("llama 128->128", "llama 32->128", "llama 128->32")
 
 
-def _prompts(rng: random.Random, lengths: tuple[int, ...]) -> list[list[int]]:
+def make_prompts(rng: random.Random, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
-def _configs(case: Case, model: str, site: str) -> dict[str, tuple[EngineConfig, EngineConfig]]:
+def engine_configs(
+    case: Case, model: str, site: str
+) -> dict[str, tuple[EngineConfig, EngineConfig]]:
     out = {}
     for conn in CONNECTORS:
         sides = []
@@ -236,7 +238,7 @@ def first_load(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {}
 
 
-def _verdict(got: list[Any], ref: list[list[int]], loads: float) -> str:
+def verdict_of(got: list[Any], ref: list[list[int]], loads: float) -> str:
     """``match``; ``WRONG`` (other tokens, no error); ``refused`` (no tokens or an error);
     ``recomputed`` (right tokens, but nothing was loaded: D prefilled the prompt itself
     after the connector failed, by vLLM's ``kv_load_failure_policy``)."""
@@ -253,20 +255,22 @@ def records(d: Engine) -> list[dict[str, Any]]:
 
 
 def verdicts(eng: Pairs, batch: list[list[int]], ref: list[list[int]]) -> dict[str, str]:
-    """``batch`` P → D through each connector against ``ref``: :func:`_verdict`'s words,
+    """``batch`` P → D through each connector against ``ref``: :func:`verdict_of`'s words,
     or ``refused (...)`` when the engine call failed."""
     verdict = {}
     for conn in CONNECTORS:
         p, d = eng[conn]
         try:
-            out, _, _ = _pd(p, d, batch, 16)
-            verdict[conn] = _verdict(out, ref, transfers(conn, records(d))["loads"])
+            out, _, _ = run_pd(p, d, batch, 16)
+            verdict[conn] = verdict_of(out, ref, transfers(conn, records(d))["loads"])
         except EngineError as e:
             verdict[conn] = f"refused ({e})"[:60]
     return verdict
 
 
-def _pd(p: Engine, d: Engine, batch: list[list[int]], new: int) -> tuple[list[Any], float, float]:
+def run_pd(
+    p: Engine, d: Engine, batch: list[list[int]], new: int
+) -> tuple[list[Any], float, float]:
     t0 = time.perf_counter()
     pre = p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
     t1 = time.perf_counter()
@@ -280,14 +284,14 @@ def run_case(
     model = str(make_tiny_model(case.model, models / case.model))
     rng = random.Random(zlib.crc32(case.name.encode()))
     t_start = time.perf_counter()
-    with engines(_configs(case, model, site)) as eng:
+    with engines(engine_configs(case, model, site)) as eng:
         progress(f"{case.name}: 4 engines up in {time.perf_counter() - t_start:.0f} s")
         first: dict[str, dict[str, Any]] = {}
         for conn in CONNECTORS:  # the first request pays the handshake: timed apart
             p, d = eng[conn]
             d.rpc(install_recorder)
-            (x,) = _prompts(rng, (case.timed_len,))
-            _, t_p, t_d = _pd(p, d, [x], 1)
+            (x,) = make_prompts(rng, (case.timed_len,))
+            _, t_p, t_d = run_pd(p, d, [x], 1)
             first[conn] = {
                 "first_ms": round((t_p + t_d) * 1e3),
                 "first_p_ms": round(t_p * 1e3),
@@ -297,7 +301,7 @@ def run_case(
                 first[conn].update(first_load(records(d)))
             records(d)
         ref_engine = eng["kvbridge"][1]
-        batch = _prompts(rng, case.lengths)
+        batch = make_prompts(rng, case.lengths)
         if case.one_by_one:
             ref = [ref_engine.generate([x], 16)[0].tokens for x in batch]
         else:
@@ -306,18 +310,18 @@ def run_case(
         verdict = verdicts(eng, batch, ref)
         timed: dict[str, list[dict[str, float]]] = {c: [] for c in CONNECTORS}
         for i in range(calls):
-            (x,) = _prompts(rng, (case.timed_len,))
+            (x,) = make_prompts(rng, (case.timed_len,))
             order = CONNECTORS if i % 2 == 0 else CONNECTORS[::-1]
             for conn in order:
                 p, d = eng[conn]
                 try:
-                    out, t_p, t_d = _pd(p, d, [x], 1)
+                    out, t_p, t_d = run_pd(p, d, [x], 1)
                 except EngineError:
                     continue
                 row = transfers(conn, records(d))
                 if out[0].tokens:
                     timed[conn].append(dict(row, ttft_s=t_p + t_d, d_s=t_d))
-    rows = [_row(case.name, c, verdict[c], timed[c]) | first[c] for c in CONNECTORS]
+    rows = [summary_row(case.name, c, verdict[c], timed[c]) | first[c] for c in CONNECTORS]
     progress(
         f"{case.name}: "
         + "; ".join(f"{r['connector']} {r['output']} ttft {r['ttft_ms']} ms" for r in rows)
@@ -326,7 +330,9 @@ def run_case(
     return rows
 
 
-def _row(case: str, conn: str, verdict: str, timed: list[dict[str, float]]) -> dict[str, Any]:
+def summary_row(
+    case: str, conn: str, verdict: str, timed: list[dict[str, float]]
+) -> dict[str, Any]:
     """Medians over the timed requests; transfer figures over those that loaded."""
     loaded = [r for r in timed if r["loads"]]
 
@@ -360,7 +366,7 @@ def run_all(
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp:
         site = Path(tmp) / "site"
         site.mkdir()
-        (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         models = Path(os.environ.get("KVBRIDGE_TINY_MODELS") or Path(tmp) / "models")
         rows = []
         for case in cases:

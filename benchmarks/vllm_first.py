@@ -24,16 +24,18 @@ def main() -> None:
         model = str(make_tiny_model(case.model, Path(tmp) / case.model))
         site = Path(tmp) / "site"
         site.mkdir()
-        (site / "sitecustomize.py").write_text(vb._SITECUSTOMIZE)
-        cfgs = {c: pair for c, pair in vb._configs(case, model, str(site)).items() if c in conns}
+        (site / "sitecustomize.py").write_text(vb.SITECUSTOMIZE)
+        cfgs = {
+            c: pair for c, pair in vb.engine_configs(case, model, str(site)).items() if c in conns
+        }
         rng = random.Random(1)
         with vb.engines(cfgs) as eng:
             for conn in conns:
                 p, d = eng[conn]
                 d.rpc(vb.install_recorder)
                 for i in range(3):
-                    (x,) = vb._prompts(rng, (case.timed_len,))
-                    _, t_p, t_d = vb._pd(p, d, [x], 1)
+                    (x,) = vb.make_prompts(rng, (case.timed_len,))
+                    _, t_p, t_d = vb.run_pd(p, d, [x], 1)
                     stages = vb.first_load(vb.records(d)) if conn == "kvbridge" else {}
                     ms = f"P {t_p * 1e3:.0f} ms, D {t_d * 1e3:.0f} ms"
                     print(f"{conn} request {i}: {ms} {stages}")

@@ -33,7 +33,7 @@ def _load_ms(d: Engine) -> list[float]:
 
 def _idle(p: Engine, rng: random.Random) -> float:
     """Cores P's processes use over ``IDLE_S`` while 3 handles no D loads are held."""
-    batch = vb._prompts(rng, (700, 500, 300))
+    batch = vb.make_prompts(rng, (700, 500, 300))
     p.generate(batch, 1, [{"do_remote_decode": True}] * len(batch))
     time.sleep(2.0)  # vLLM's queue readers spin for 1 s after their last message
     assert p.proc.pid is not None
@@ -64,13 +64,13 @@ def run(parked: Engine, held: Engine, d: Engine) -> None:
     rng = random.Random(3)
     d.rpc(vb.install_recorder)
     for p in (parked, held):  # first request on each pair: the handshake
-        vb._pd(p, d, vb._prompts(rng, (768,)), 1)
+        vb.run_pd(p, d, vb.make_prompts(rng, (768,)), 1)
     _load_ms(d)
     p_ms: dict[str, list[float]] = {"p-park": [], "p-held": []}
     d_ms: dict[str, list[float]] = {"p-park": [], "p-held": []}
     for _ in range(ROUNDS):
         for p in (parked, held):
-            _, t_p, _ = vb._pd(p, d, vb._prompts(rng, (768,)), 1)
+            _, t_p, _ = vb.run_pd(p, d, vb.make_prompts(rng, (768,)), 1)
             p_ms[p.cfg.engine_id].append(t_p * 1e3)
             d_ms[p.cfg.engine_id] += _load_ms(d)
     idle = {p.cfg.engine_id: _idle(p, rng) for p in (parked, held)}

@@ -116,7 +116,7 @@ def plan_round(rng: random.Random, pool: int, block: int, extra: int, max_len: i
                 lens.append(n)
                 new.append(m)
         local.append((lens, new))
-    prompts = bench._prompts(rng, tuple(pd) + tuple(local[0][0]) + tuple(local[1][0]))
+    prompts = bench.make_prompts(rng, tuple(pd) + tuple(local[0][0]) + tuple(local[1][0]))
     a, b = len(pd), len(pd) + len(local[0][0])
     return Round(prompts[:a], pd_new, prompts[a:b], local[0][1], prompts[b:], local[1][1])
 
@@ -159,8 +159,8 @@ def _first(eng: bench.Pairs, rng: random.Random, case: bench.Case) -> tuple[dict
         d.rpc(bench.install_recorder)
         p.rpc(install_block_recorder)
         d.rpc(install_block_recorder)
-        (x,) = bench._prompts(rng, (case.timed_len,))
-        _, t_p, t_d = bench._pd(p, d, [x], 1)
+        (x,) = bench.make_prompts(rng, (case.timed_len,))
+        _, t_p, t_d = bench.run_pd(p, d, [x], 1)
         first[conn] = t_p + t_d
         bench.records(d)
         p.rpc(take_blocks)
@@ -189,7 +189,7 @@ def _timed(conn: str, p: Engine, d: Engine, x: list[int]) -> dict[str, float] | 
     """One timed request: TTFT, transfer figures, the request's block runs and
     (kvbridge) its load stages on D, ``stage_<name>`` in seconds."""
     try:
-        out, t_p, t_d = bench._pd(p, d, [x], 1)
+        out, t_p, t_d = bench.run_pd(p, d, [x], 1)
     except EngineError:
         return None
     records = bench.records(d)
@@ -222,11 +222,11 @@ def run_trace_case(
     warm = random.Random(zlib.crc32(b"trace " + case.name.encode()))
     pool = pool_blocks(case)
     t_start = time.perf_counter()
-    with bench.engines(bench._configs(case, model, site), pool) as eng:
+    with bench.engines(bench.engine_configs(case, model, site), pool) as eng:
         progress(f"{case.name} (trace): 4 engines up in {time.perf_counter() - t_start:.0f} s")
         first, extra = _first(eng, rng, case)
         max_len = eng["kvbridge"][1].cfg.max_model_len
-        batch = bench._prompts(rng, case.lengths)
+        batch = bench.make_prompts(rng, case.lengths)
         ref = _reference(eng, case, batch)
         sent, loads = 0, dict.fromkeys(bench.CONNECTORS, 0)
 
@@ -243,7 +243,7 @@ def run_trace_case(
         timed: dict[str, list[dict[str, float]]] = {c: [] for c in bench.CONNECTORS}
         for i in range(calls):
             one_round()
-            (x,) = bench._prompts(rng, (case.timed_len,))
+            (x,) = bench.make_prompts(rng, (case.timed_len,))
             for conn in bench.CONNECTORS if i % 2 == 0 else bench.CONNECTORS[::-1]:
                 got = _timed(conn, *eng[conn], x)
                 if got is not None:
@@ -276,7 +276,11 @@ def _row(
     frag = {k: med(k) for k in ("blocks", "d_runs", "p_runs", "joint")}
     names = sorted({k for r in timed for k in r if k.startswith("stage_")})
     stages = {k.removeprefix("stage_"): round(med(k) * 1e3, 2) for k in names}
-    return bench._row(case, conn, verdict, timed) | {"pool": pool, **frag, "stages_ms": stages}
+    return bench.summary_row(case, conn, verdict, timed) | {
+        "pool": pool,
+        **frag,
+        "stages_ms": stages,
+    }
 
 
 def run_trace(
@@ -294,7 +298,7 @@ def run_trace(
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-trace-") as tmp:
         site = Path(tmp) / "site"
         site.mkdir()
-        (site / "sitecustomize.py").write_text(bench._SITECUSTOMIZE)
+        (site / "sitecustomize.py").write_text(bench.SITECUSTOMIZE)
         models = Path(os.environ.get("KVBRIDGE_TINY_MODELS") or Path(tmp) / "models")
         rows = []
         for case in cases:

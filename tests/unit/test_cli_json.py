@@ -33,9 +33,9 @@ def test_what_cannot_be_made_finite_is_refused() -> None:
 
 def test_vllm_bench_row_without_loads_writes_null() -> None:
     pytest.importorskip("vllm")
-    from benchmarks.vllm_bench import _row
+    from benchmarks.vllm_bench import summary_row
 
     timed = [{"ttft_s": 0.2, "d_s": 0.1, "loads": 0.0}]
-    row = _row("case", "kvbridge", "ok", timed)
+    row = summary_row("case", "kvbridge", "ok", timed)
     assert math.isnan(row["transfer_ms"])  # no request loaded: no transfer figure
     assert strict(dumps([row]))[0]["transfer_ms"] is None  # type: ignore[index]

