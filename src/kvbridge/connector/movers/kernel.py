@@ -2,7 +2,7 @@
 request's runs with one gather-scatter per source rank, no NIXL descriptor and no staging
 (``docs/gpu.md``). D plans in a geometry over the offsets of :class:`Span` tensors (P's
 regions as mapped here, D's own), so runs need no per-run address lookup; every run is
-bounds-checked first, and :meth:`KernelMover.move` returns only once its copies ended.
+bounds-checked first, and :meth:`Launched.finish` returns only once its copies ended.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.movers.device_copies import GridCopy, checked_copy, grid_copy
-from kvbridge.connector.movers.device_memory import Span, equal_runs
+from kvbridge.connector.movers.memory import Span, equal_runs
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
 from kvbridge.errors import TransportError
@@ -68,8 +68,8 @@ class KernelMover:
         self.on = torch_device(self.kind, self.device)
         self.stream = torch.cuda.Stream(device=self.on) if self.on.type == "cuda" else None
         self.overlap = self.stream is not None
-        """Take P's ``begin`` answer while the copies run (:meth:`move`'s ``meanwhile``):
-        where they run asynchronously (a GPU). Host copies are synchronous, and the side
+        """Take P's ``begin`` answer while the copies run (:meth:`Launched.finish`): where
+        they run asynchronously (a GPU). Host copies are synchronous, and the side
         channel to P stays locked until its answer is taken: then it is taken first."""
         self._lock = threading.Lock()
         self._sources: dict[tuple[str, int], _Mapped] = {}
@@ -147,25 +147,12 @@ class KernelMover:
         finally:
             self._lock.release()
 
-    def move(
-        self,
-        peer: Peer,
-        runs: dict[int, Runs],
-        over: Over,
-        meanwhile: Callable[[], object] | None = None,
-    ) -> int:
-        """Copy every run of ``runs`` (per P rank; planned in ``over``, from
-        :meth:`geometry`) from P's mapped memory; the number of copy calls: :meth:`launch`,
-        then :meth:`Launched.finish` with ``meanwhile``."""
-        return self.launch(peer, runs, over).finish(meanwhile)
-
     def launch(self, peer: Peer, runs: dict[int, Runs], over: Over) -> Launched:
-        """Start copying every run of ``runs`` (asynchronous on a GPU; on the host the
-        copies end here): what ends them (:meth:`Launched.finish`, to be called exactly
-        once). P's memory mapped again since ``over`` was made is a
-        :class:`TransportError` before any byte moves. Every run is bounds-checked once
-        (:func:`copy_groups`); the copies scan nothing again. Raises only once every copy
-        it started has ended."""
+        """Start copying every run of ``runs`` (per P rank; planned in ``over``, from
+        :meth:`geometry`), asynchronously on a GPU, on the host to the end: what ends
+        them (:meth:`Launched.finish`, called once). P's memory mapped again since
+        ``over`` was made is a :class:`TransportError` before any byte moves. Every run is
+        bounds-checked once (:func:`copy_groups`). Raises once every copy it started ended."""
         out = Launched(self)
         try:
             for src, r in runs.items():

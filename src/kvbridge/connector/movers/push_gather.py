@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbridge.connector.movers.memory import LocalMemory
 from kvbridge.connector.movers.spans import Chunk, chunks
-from kvbridge.connector.movers.staging import StagingPool, local_memory
+from kvbridge.connector.movers.staging import StagingPool
 from kvbridge.control.messages import PushRuns
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
@@ -115,7 +116,7 @@ class PushGather:
 
     def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
         self.pool = StagingPool(slots, slot_bytes, regions[0].kind, regions[0].device)
-        self.memory = local_memory(regions)
+        self.memory = LocalMemory(regions)
         self.gathered = 0
         """Staged pushes written from a slot."""
         self.direct = 0

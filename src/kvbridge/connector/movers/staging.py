@@ -19,14 +19,13 @@ import torch
 
 from kvbridge.connector.movers.copies import (
     VIEW_S,
-    LocalMemory,
     copy_equal,
     gather_scatter,
     gather_word,
     progressions,
 )
 from kvbridge.connector.movers.device_copies import copy_cost_probe
-from kvbridge.connector.movers.device_memory import DeviceMemory
+from kvbridge.connector.movers.memory import LocalMemory
 from kvbridge.connector.movers.spans import Chunk, Regions, chunks, rounds
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
@@ -244,7 +243,7 @@ class Stager:
     def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
         kind, device = regions[0].kind, regions[0].device
         self.pool = StagingPool(slots, slot_bytes, kind, device)
-        self.memory = local_memory(regions)
+        self.memory = LocalMemory(regions)
         on_device = kind is not MemKind.HOST
         self.costs = CostModel(torch_device(kind, device) if on_device else None)
 
@@ -349,14 +348,6 @@ class Stager:
             if clean or not still:
                 self.pool.give_back(slot, True)
         return counts[0], counts[1]
-
-
-def local_memory(regions: list[Region]) -> LocalMemory | DeviceMemory:
-    """Copies into and out of ``regions`` where they live: numpy for host memory, torch
-    kernels (on the GPU, on their own stream) for device memory."""
-    if all(r.kind is MemKind.HOST for r in regions):
-        return LocalMemory(regions)
-    return DeviceMemory(regions)
 
 
 def _read(transport: Transport, agent: str, ch: Chunk, at: int) -> XferHandle:
