@@ -11,7 +11,6 @@ torch ways go in chunks of at most :data:`CHUNK_WORDS` words. Measured: ``docs/g
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ import torch
 from kvbridge import envs
 from kvbridge.connector.movers import triton_copy
 from kvbridge.errors import TransportError
-
-log = logging.getLogger(__name__)
 
 CHUNK_WORDS = 1 << 22
 """Most words one torch gather-scatter moves at once: its temporaries (the gathered

@@ -194,7 +194,7 @@ def direction(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[Mode, str]:
             job.direction = d.mode, f"{d.mode.value} mode"
         else:
             costs = costs_of(d, peer, min(plan.runs.keys(), default=0))
-            staging = d.stager if d.staging else None
+            staging = d.stager.priced if d.stager and d.staging else None
             job.direction = choose(costs, plan.runs, staging)
     return job.direction
 
