@@ -8,6 +8,7 @@ round into D's slot; D scatters. Bytes must equal the reference and a direct pus
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -89,7 +90,7 @@ class HeadSplit(World):
         ]
         for c in self.consumers:  # the choice, not the timing of a loaded machine
             if c.stager is not None:
-                c.stager.costs.c_desc = 1e-4
+                c.stager.costs.link = replace(c.stager.costs.link, desc_s=1e-4)
 
     def load(self, rid: str, n: int = N) -> tuple[list[list[np.ndarray]], list[list[int]]]:
         before = [[b.copy() for b in bufs] for bufs in self.d.bufs]

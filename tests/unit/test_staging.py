@@ -237,12 +237,13 @@ def test_cost_model_learns_descriptor_and_byte_costs_from_timed_transfers() -> N
     for _ in range(40):
         m.learn(16_384, 16_384 * 1024, 16_384 * c_desc + 16_384 * 1024 * c_byte)  # 1 KiB runs
         m.learn(64, 64 << 20, 64 * c_desc + (64 << 20) * c_byte)  # 1 MiB runs
-    assert m.c_desc == pytest.approx(c_desc, rel=0.05)
-    assert m.c_byte == pytest.approx(c_byte, rel=0.05)
-    assert m.max_gap() == int(m.c_desc / m.c_byte)  # 50 KB: a gap cheaper than a descriptor
+    assert m.link.desc_s == pytest.approx(c_desc, rel=0.05)
+    assert m.link.byte_s == pytest.approx(c_byte, rel=0.05)
+    gap = int(m.link.desc_s / m.link.byte_s)  # 50 KB: a gap cheaper than a descriptor
+    assert m.max_gap() == gap
     m.learn(16_384, 16_384 * 1024, 600.0)  # one stalled transfer: moves it, within bounds
-    assert m.c_desc <= 0.8 * c_desc * 1.05 + 0.2 * 1e-4
-    before = (m.c_desc, m.c_byte)
+    assert m.link.desc_s <= 0.8 * c_desc * 1.05 + 0.2 * 1e-4
+    before = (m.link.desc_s, m.link.byte_s)
     m.learn(100, 100 << 10, 1.0)  # neither many small runs nor long ones: says nothing
     m.learn(0, 0, 1.0)
-    assert (m.c_desc, m.c_byte) == before
+    assert (m.link.desc_s, m.link.byte_s) == before

@@ -280,13 +280,10 @@ def _word(size: int, divisor: int, *tensors: torch.Tensor) -> int:
     """Bytes per word: the widest of 8, 4, 2, 1 that divides ``size``, ``divisor`` (so
     every offset) and each tensor's address and storage offset (a dtype view needs both)."""
     for w in (8, 4, 2):
-        if divisor % w == 0 and size % w == 0 and all(_aligned(t, w) for t in tensors):
+        aligned = all(t.data_ptr() % w == 0 and t.storage_offset() % w == 0 for t in tensors)
+        if divisor % w == 0 and size % w == 0 and aligned:
             return w
     return 1
-
-
-def _aligned(t: torch.Tensor, w: int) -> bool:
-    return t.data_ptr() % w == 0 and t.storage_offset() % w == 0
 
 
 def _words(t: torch.Tensor, w: int) -> torch.Tensor:

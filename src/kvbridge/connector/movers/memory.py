@@ -20,10 +20,9 @@ __all__ = ["LocalMemory", "Span", "equal_runs"]
 
 STRIDE = 64
 """Runs per region guess in :meth:`Span._region_of`."""
-MIN_PIECE = 256
-"""Shortest piece :func:`equal_runs` cuts runs into (bytes)."""
-MAX_PIECES = 8
-"""At most this many pieces per run on average, else runs are grouped by length."""
+MIN_PIECE, MAX_PIECES = 256, 8
+""":func:`equal_runs` cuts runs into pieces of at least this many bytes, at most this
+many per run on average (else it groups them by length)."""
 
 
 class Span:
@@ -53,8 +52,7 @@ class Span:
         self, off: np.ndarray, length: np.ndarray, what: str, lengths: tuple[int, int]
     ) -> None:
         """Runs of a plan made over :attr:`bases` (tensor offsets; ``lengths``: the
-        shortest and longest of ``length``): a run outside the tensor is a
-        :class:`TransportError` before any byte moves (``docs/gpu.md``, kernel mover)."""
+        shortest and longest of ``length``): one outside the tensor is a TransportError."""
         if not off.shape[0]:
             return
         top = self.tensor.shape[0]
@@ -71,9 +69,8 @@ class Span:
         self, off: np.ndarray, ids: np.ndarray, stride: int, length: np.ndarray, what: str
     ) -> None:
         """:meth:`check` of a grid's runs (run ``(t, b)`` at ``off[t] + ids[b] ·
-        stride``, ``length[t]`` bytes) from the extremes of ``off`` and ``ids``: exact,
-        since every run of the grid exists; a run outside is named as :meth:`check` names
-        it (the grid expanded only then)."""
+        stride``, ``length[t]`` bytes) from the extremes of ``off`` and ``ids`` (exact:
+        every combination is a run); the grid is expanded only to name a run outside."""
         if not off.shape[0] or not ids.shape[0]:
             return
         a, b = int(ids.min()) * stride, int(ids.max()) * stride
@@ -90,7 +87,7 @@ class Span:
 
     def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
         """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not
-        inside one region is a :class:`TransportError` before any byte moves."""
+        inside one region is a TransportError."""
         addr = np.asarray(addr).astype(np.int64, copy=False)
         length = np.asarray(length).astype(np.int64, copy=False)  # 2⁶³ and up: negative
         idx, start, end = self._region_of(addr)

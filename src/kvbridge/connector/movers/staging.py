@@ -97,18 +97,6 @@ class CostModel:
             self.per_byte_strided = _measure_strided()
         self._lock = threading.Lock()
 
-    @property
-    def c_desc(self) -> float:
-        return self.link.desc_s
-
-    @c_desc.setter
-    def c_desc(self, value: float) -> None:
-        self.link = replace(self.link, desc_s=value)
-
-    @property
-    def c_byte(self) -> float:
-        return self.link.byte_s
-
     def staged_wins(
         self,
         runs: int,
