@@ -41,6 +41,16 @@ def by_length(length: np.ndarray) -> list[tuple[np.ndarray | slice, int]]:
     return [(order[lo:hi], int(key[lo])) for lo, hi in itertools.pairwise(bounds)]
 
 
+def inside(name: str, nbytes: int, lo: int, hi: int, size: int) -> None:
+    """TransportError unless runs of ``size`` bytes at offsets ``lo`` to ``hi`` lie inside
+    the ``nbytes`` of the ``name`` buffer (destination or source)."""
+    if lo < 0 or hi + size > nbytes:
+        raise TransportError(
+            f"{name} runs of {size} B at offsets {lo}..{hi} leave the {nbytes} B "
+            f"{name} buffer (the highest ends at {hi + size})"
+        )
+
+
 def copy_equal(
     dv: np.ndarray, d_off: np.ndarray, sv: np.ndarray, s_off: np.ndarray, size: int
 ) -> None:
@@ -49,9 +59,8 @@ def copy_equal(
     if d_off.shape[0] == 0:
         return
     d_off, s_off = d_off.astype(np.int64, copy=False), s_off.astype(np.int64, copy=False)
-    for v, off in ((dv, d_off), (sv, s_off)):
-        if int(off.min()) < 0 or int(off.max()) + size > v.shape[0]:
-            raise TransportError(f"copy of {size} B runs outside a {v.shape[0]} B buffer")
+    inside("destination", dv.shape[0], int(d_off.min()), int(d_off.max()), size)
+    inside("source", sv.shape[0], int(s_off.min()), int(s_off.max()), size)
     if d_off.shape[0] <= 16 or size >= 1 << 16:  # few or long runs: slices
         for a, b in zip(d_off.tolist(), s_off.tolist(), strict=True):
             dv[a : a + size] = sv[b : b + size]

@@ -21,6 +21,7 @@ import torch
 
 from kvbridge import envs
 from kvbridge.connector.movers import triton_copy
+from kvbridge.connector.movers.copies import inside
 from kvbridge.errors import TransportError
 
 CHUNK_WORDS = 1 << 22
@@ -238,8 +239,8 @@ def _inspect(
     capped = both | 8  # lowest set bit of (off | 8): the widest word ≤ 8 dividing off
     low = (capped & -capped).amin()
     d_lo, s_lo, d_hi, s_hi, rest_b, low_b = torch.cat((lo, hi, rest[None], low[None])).tolist()
-    _inside("destination", dst.numel(), d_lo, d_hi, size)
-    _inside("source", src.numel(), s_lo, s_hi, size)
+    inside("destination", dst.numel(), d_lo, d_hi, size)
+    inside("source", src.numel(), s_lo, s_hi, size)
     return math.lcm(low_b, size) if rest_b == 0 else low_b
 
 
@@ -251,8 +252,8 @@ def _inspect_host(
     if d.shape != s.shape or d.ndim != 1 or d.shape[0] == 0 or d.dtype.kind not in "iu":
         return 1  # refused or a no-op below, by the tensor path
     d, s = d.astype(np.int64, copy=False), s.astype(np.int64, copy=False)
-    _inside("destination", dst.numel(), int(d.min()), int(d.max()), size)
-    _inside("source", src.numel(), int(s.min()), int(s.max()), size)
+    inside("destination", dst.numel(), int(d.min()), int(d.max()), size)
+    inside("source", src.numel(), int(s.min()), int(s.max()), size)
     return copy_divisor(d, s, size, rows=not (dst.is_cuda and triton_enabled()))
 
 
@@ -268,22 +269,11 @@ def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int, rows: bool = T
     return low
 
 
-def _inside(name: str, nbytes: int, lo: int, hi: int, size: int) -> None:
-    if lo < 0 or hi + size > nbytes:
-        raise TransportError(
-            f"{name} runs of {size} B at offsets {lo}..{hi} leave the {nbytes} B "
-            f"{name} tensor (the highest ends at {hi + size})"
-        )
-
-
 def _word(size: int, divisor: int, *tensors: torch.Tensor) -> int:
     """Bytes per word: the widest of 8, 4, 2, 1 that divides ``size``, ``divisor`` (so
     every offset) and each tensor's address and storage offset (a dtype view needs both)."""
-    for w in (8, 4, 2):
-        aligned = all(t.data_ptr() % w == 0 and t.storage_offset() % w == 0 for t in tensors)
-        if divisor % w == 0 and size % w == 0 and aligned:
-            return w
-    return 1
+    need = (size, divisor, *(t.data_ptr() for t in tensors), *(t.storage_offset() for t in tensors))
+    return next((w for w in (8, 4, 2) if all(x % w == 0 for x in need)), 1)
 
 
 def _words(t: torch.Tensor, w: int) -> torch.Tensor:

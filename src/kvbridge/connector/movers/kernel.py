@@ -34,9 +34,9 @@ _MADE = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class Over:
-    """A pair's geometry over the offsets of mapped memory, the offsets of P's regions
-    (per P rank) it was made over, and per P rank a number dividing every offset and
-    length its runs can have (:meth:`Geometry.divisor`: the copies' word width)."""
+    """A pair's geometry over the offsets of mapped memory, per P rank the offsets of its
+    regions it was made over and a number dividing every offset and length of its runs
+    (:meth:`Geometry.divisor`: the copies' word width)."""
 
     geometry: Geometry
     bases: dict[int, tuple[int, ...]]
@@ -78,9 +78,9 @@ class KernelMover:
         """Per P engine id: (the mappings it was made over, geometry over their offsets)."""
 
     def geometry(self, peer: Peer) -> tuple[Over | None, str]:
-        """The pair's geometry over the offsets of the memory this mover copies between
-        (P's regions as mapped here now, D's own), to plan a request in; ``(None, why)`` if
-        this mover cannot serve ``peer``. Made once per mapping of P's ranks."""
+        """The pair's geometry over the offsets of P's regions as mapped here now and of
+        D's own, to plan a request in (made once per mapping of P's ranks); ``(None,
+        why)`` if this mover cannot serve ``peer``."""
         sources = sorted(peer.geometry.links)
         why = self._cannot_serve(peer, sources)
         if why or peer.remake is None:
@@ -123,9 +123,8 @@ class KernelMover:
         return "" if peer.remake is not None else "no geometry over mapped memory"
 
     def ready(self, peer: Peer) -> bool:
-        """Whether :meth:`geometry` would answer at once: nothing to map or make (every P
-        rank mapped at this epoch or known unmappable, the geometry made over them), or
-        this mover cannot serve ``peer`` anyway."""
+        """Whether :meth:`geometry` would answer at once: every P rank mapped at this
+        epoch (or known unmappable) and the geometry made, or ``peer`` not served."""
         sources = sorted(peer.geometry.links)
         if self._cannot_serve(peer, sources):
             return True
@@ -173,9 +172,8 @@ class KernelMover:
         return out
 
     def _acquire(self, peer: Peer, src: int) -> _Mapped:
-        """P rank ``src``'s regions mapped here (once per P epoch), marked in use; the
-        mapping of an older epoch of that P (engine id and rank) is retired when a load
-        meets the new one, and unmapped once no move uses it."""
+        """P rank ``src``'s regions mapped here (once per P epoch), marked in use; a
+        mapping of an older epoch is retired here, unmapped once no move uses it."""
         key = (peer.engine_id, src)
         with self._lock:
             known = self._sources.get(key)
@@ -233,8 +231,7 @@ class KernelMover:
 
 @dataclass(slots=True)
 class Launched:
-    """Copies :meth:`KernelMover.launch` started: the mappings they read held until
-    :meth:`finish` ended them."""
+    """Copies :meth:`KernelMover.launch` started, holding the mappings they read."""
 
     mover: KernelMover
     held: list[_Mapped] = field(default_factory=list)
@@ -242,10 +239,9 @@ class Launched:
     ended: bool = False
 
     def finish(self, meanwhile: Callable[[], object] | None = None) -> int:
-        """Run ``meanwhile`` (while the copies run, on a GPU), then wait for the copies →
-        the number of copy calls. Returns (or raises, ``meanwhile``'s error first) only
-        once every copy ended and the mappings are released; a second call does nothing
-        more."""
+        """Run ``meanwhile`` (while the copies run, on a GPU), wait for the copies and
+        release the mappings → the number of copy calls; returns or raises
+        (``meanwhile``'s error) only then. A second call does nothing more."""
         if self.ended:
             return self.calls
         try:
@@ -269,9 +265,8 @@ grid of runs of one length."""
 
 def copy_groups(src: Span, dst: Span, r: Runs, what: str) -> list[Copy]:
     """Runs ``r`` planned over the spans' offsets (:meth:`KernelMover.geometry`), each
-    bounds-checked, as few copies of one length as possible, one copy call each. A plan's
-    grids (:class:`~kvbridge.plan.runs.Grid`) stay grids: each checked from its ``T``
-    offsets and ``B`` ids, one :class:`GridCopy` per length among its ``T`` runs."""
+    bounds-checked, as few copies of one length as possible (one copy call each); a
+    plan's grids stay grids, one :class:`GridCopy` per length among its ``T`` runs."""
     if r.grids is not None:
         return [c for g in r.grids if len(g) for c in _grid_copies(src, dst, g, what)]
     if not len(r):

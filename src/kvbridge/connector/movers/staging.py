@@ -78,8 +78,8 @@ class Link:
 
 
 class CostModel:
-    """Direct: ``runs · c_desc``. Staged: ``spans · c_desc + rounds · round trip +
-    gap bytes · c_byte + local copies``. The copies' costs are measured at start-up (on
+    """Direct: ``runs · desc_s``. Staged: ``spans · desc_s + rounds · round_s + gap
+    bytes · byte_s + local copies``. The copies' costs are measured at start-up (on
     ``device`` with torch kernels, :func:`.device_copies.copy_cost_probe`; None: numpy's);
     the transport's (:class:`Link`) are the pair's where D measured them
     (:mod:`.choice`), else :attr:`link`, learned from the direct transfers D times."""
