@@ -53,7 +53,8 @@ class MoverKind:
     landed (what may still land left in ``job.live`` / ``job.slot`` when it fails);
     ``plan_in(d, peer, job)``: the geometry the load must be planned in for this mover
     (None: the pair's, any mover); ``ready(d, peer)``: whether ``plan_in`` answers at once
-    (a load starting on the engine's thread needs it: :meth:`Consumer.load`);
+    (a load starts on the engine's thread only then, :meth:`Consumer.load`; never where
+    a mover has ``plan_in`` and no ``ready``);
     ``early(d)``: whether, planned in its own geometry, it may start before P answered
     ``begin`` (it reads P's memory without asking P, and calls ``job.answer`` once its
     copies are launched); ``launch(...)``: such a start on the engine's thread, without
@@ -152,8 +153,9 @@ def _kernel_serves(d: Rank, peer: Peer, plan: Plan, job: _Load) -> str:
 
 def _kernel_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     assert d.kernel is not None and job.mapped is not None
-    launched = job.launched or d.kernel.launch(peer, plan.runs, job.mapped)  # or on the
-    job.posted += launched.finish(job.answer)  # engine's thread already (_kernel_launch)
+    # launched on the engine's thread already (_kernel_launch), else now
+    launched = job.launched or d.kernel.launch(peer, plan.runs, job.mapped)
+    job.posted += launched.finish(job.answer)
 
 
 def _kernel_launch(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:

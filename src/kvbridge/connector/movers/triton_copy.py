@@ -125,9 +125,12 @@ def _launch(
     dw = ptrs[0]
     grid_, runs, block = tiles(row, n)
     key: Key = (kind, row, dw.dtype, str(dw.device))
+    # every pointer 16-B aligned: what a fixed form is compiled for (else it would compile
+    # again, on the copy's path)
+    aligned = all(t.data_ptr() % 16 == 0 for t in ptrs)
     on = torch.cuda.device(dw.device) if dw.is_cuda else contextlib.nullcontext()
     with on:  # launch in the memory's context
-        if key in st.ready and not st.fixed_failed and _aligned16(*ptrs):
+        if key in st.ready and not st.fixed_failed and aligned:
             try:
                 fixed[grid_](*args, ROW=row, RUNS=runs, BLOCK=block)
             except Exception as exc:  # nothing launched: the generic form copies
@@ -137,7 +140,7 @@ def _launch(
                 return
         generic[grid_](*args, row, RUNS=runs, BLOCK=block)
         st.launches["generic"] += 1
-    if n * row >= SPECIALISE_MIN_WORDS and _aligned16(*ptrs):  # worth a compile, usable
+    if n * row >= SPECIALISE_MIN_WORDS and aligned:  # worth a compile, usable
         try:
             _saw(st, key, runs, block)
         except Exception as exc:  # e.g. no thread at interpreter exit: the copy stands
@@ -150,12 +153,6 @@ def tiles(row: int, n: int) -> tuple[tuple[int], int, int]:
     block = min(TILE_WORDS, 1 << (row - 1).bit_length())
     runs = max(1, TILE_WORDS // block)
     return ((n + runs - 1) // runs,), runs, block
-
-
-def _aligned16(*tensors: torch.Tensor) -> bool:
-    """Every pointer a multiple of 16 B: what the fixed form was compiled for (a copy
-    with another alignment would compile again, on the copy's path)."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _saw(st: Kernels, key: Key, runs: int, block: int) -> None:
