@@ -27,6 +27,7 @@ from unittest import mock
 import numpy as np
 
 from kvbridge.connector.movers import copies
+from kvbridge.connector.movers.memory import LocalMemory
 from kvbridge.transport.base import Region
 
 
@@ -81,12 +82,11 @@ def regions(repeat: int) -> None:
     """One staged round over 64 per-layer regions: one call, or one per region."""
     rng = np.random.default_rng(1)
     count, blocks, block = 64, 640, 16 << 10
-    buf = np.zeros(count * blocks * block + copies.PAGE, np.uint8)
+    page = 4096
+    buf = np.zeros(count * blocks * block + page, np.uint8)
     buf.fill(1)
-    base = -(-int(buf.ctypes.data) // copies.PAGE) * copies.PAGE
-    mem = copies.LocalMemory(
-        [Region(base + i * blocks * block, blocks * block) for i in range(count)]
-    )
+    base = -(-int(buf.ctypes.data) // page) * page
+    mem = LocalMemory([Region(base + i * blocks * block, blocks * block) for i in range(count)])
     ids = rng.permutation(blocks)[:9]
     r, b, row = np.meshgrid(np.arange(count), np.arange(9), np.arange(16), indexing="ij")
     dst = (base + r * blocks * block + ids[b] * block + row * 1024).ravel().astype(np.int64)
@@ -94,11 +94,12 @@ def regions(repeat: int) -> None:
     stage = rng.integers(0, 256, int(off[-1]) + 2048, dtype=np.uint8)
     length = np.full(dst.shape[0], 1024, np.int64)
     per = r.ravel()
+    view = mem.span.tensor.numpy()  # the regions' bytes from ``base`` on
 
     def by_region() -> None:
         for i in range(count):
             k = per == i
-            copies.copy_equal(mem.view, dst[k] - mem.origin, stage, off[k], 1024)
+            copies.copy_equal(view, dst[k] - base, stage, off[k], 1024)
 
     one = _ms(lambda: mem.scatter(dst, stage, off, length), repeat)
     each = _ms(by_region, repeat)

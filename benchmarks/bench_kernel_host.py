@@ -22,9 +22,9 @@ import torch
 
 from benchmarks.plan_bench import best_median_us, bound_all
 from benchmarks.shapes import llama
-from kvbridge.connector.movers import device_copies, device_memory
-from kvbridge.connector.movers.device_memory import Span, equal_runs
+from kvbridge.connector.movers import device_copies, memory
 from kvbridge.connector.movers.kernel import copy_groups
+from kvbridge.connector.movers.memory import Span, equal_runs
 from kvbridge.layout.tensor import Region
 from kvbridge.plan import Geometry, Side
 from kvbridge.plan.pattern import Bound
@@ -38,7 +38,7 @@ def spans_of(bounds: list) -> list[Span]:
     def stand_in(r: Region) -> torch.Tensor:  # the right size, no memory
         return torch.empty(r.nbytes, dtype=torch.uint8, device="meta")
 
-    with mock.patch.object(device_memory, "byte_tensor", stand_in):
+    with mock.patch.object(memory, "byte_tensor", stand_in):
         return [
             Span([Region(a, n) for a, n in zip(b.bases, b.layout.regions, strict=True)])
             for b in bounds

@@ -29,8 +29,8 @@ from benchmarks.gpu_check import messages as m
 from benchmarks.gpu_check import vllm_rank
 from benchmarks.gpu_check.rank import RankState
 from kvbridge.connector.movers.device_copies import rows_copy
-from kvbridge.connector.movers.device_memory import equal_runs
 from kvbridge.connector.movers.kernel import copy_groups, run_copy
+from kvbridge.connector.movers.memory import equal_runs
 from kvbridge.plan import Plan, Runs
 from kvbridge.transport.base import XferHandle
 

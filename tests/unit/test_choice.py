@@ -5,7 +5,7 @@ moves one direction only, and the stager's exact choice takes the pair's costs."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -125,7 +125,7 @@ def test_the_stager_weighs_the_pairs_link() -> None:
     args = dict(runs=2000, spans=4, nbytes=2000 * 512, rounds=1)
     assert m.staged_wins(**args, link=Link(100e-6, 20e-6, 0.25e-9))  # type: ignore[arg-type]
     assert not m.staged_wins(**args, link=Link(100e-6, 20e-9, 0.25e-9))  # type: ignore[arg-type]
-    m.c_desc = 20e-9  # the stager's own, where the pair was never measured
+    m.link = replace(m.link, desc_s=20e-9)  # the stager's own, where the pair was never measured
     assert not m.staged_wins(**args)  # type: ignore[arg-type]
     assert m.max_gap(Link(0, 2e-6, 1e-10)) == 20_000
 

@@ -1,17 +1,19 @@
 """Staging on the device: D's staging slots and P's gather slots live in the ranks'
 device memory and are copied by torch kernels (here: torch on host memory,
 ``KVBRIDGE_DEVICE_ON_CPU=1``). Byte-exact against the reference; stray runs refused before
-any byte moves. (DeviceMemory's scatter and gather over several regions are property-tested
-beside LocalMemory's, ``test_staging.py``.)"""
+any byte moves. (The scatter and gather of device memory over several regions are
+property-tested beside host memory's, ``test_staging.py``.)"""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from kvbridge.connector.movers.device_memory import DeviceMemory
-from kvbridge.connector.movers.staging import StagingPool, local_memory
+from kvbridge.connector.movers.memory import LocalMemory
+from kvbridge.connector.movers.staging import StagingPool
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind, Region
 from tests.unit.test_connector_loopback import World, check_bytes
@@ -30,13 +32,13 @@ def test_pools_and_copies_live_where_the_regions_do() -> None:
     assert isinstance(pool.buf, torch.Tensor) and pool.region.kind is DEVICE
     assert pool.region.addr == pool.buf.data_ptr() and pool.region.nbytes == 8192
     buf = np.zeros(64, np.uint8)
-    assert isinstance(local_memory([Region(int(buf.ctypes.data), 64, DEVICE)]), DeviceMemory)
-    assert not isinstance(local_memory([Region(int(buf.ctypes.data), 64)]), DeviceMemory)
+    assert not LocalMemory([Region(int(buf.ctypes.data), 64, DEVICE)]).host  # torch's copies
+    assert LocalMemory([Region(int(buf.ctypes.data), 64)]).host  # numpy's
 
 
 def test_device_copies_refuse_stray_runs_and_move_nothing() -> None:
     buf = np.zeros(256, np.uint8)
-    mem = DeviceMemory([Region(int(buf.ctypes.data), 256, DEVICE)])
+    mem = LocalMemory([Region(int(buf.ctypes.data), 256, DEVICE)])
     stage = torch.arange(64, dtype=torch.uint8)
     at = np.array([int(buf.ctypes.data) + 8, int(buf.ctypes.data) + 250], np.uint64)
     off = np.array([0, 16], np.int64)
@@ -67,7 +69,8 @@ def test_staged_pull_into_device_memory_is_byte_exact() -> None:
         for c in w.consumers:
             assert c.stager is not None and c.stager.pool.region.kind is DEVICE
             assert c.stager.costs.on_device
-            c.stager.costs.c_desc = 1e-4  # the choice, not the timing of a loaded machine
+            # the choice, not the timing of a loaded machine
+            c.stager.costs.link = replace(c.stager.costs.link, desc_s=1e-4)
         before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
         handle, d_tabs = w.request("r", 120)
         for c in w.consumers:

@@ -13,8 +13,8 @@ from benchmarks.plan_bench import bound_all
 from benchmarks.shapes import llama
 from kvbridge.connector.movers import kernel as kernel_mover
 from kvbridge.connector.movers.device_copies import GridCopy
-from kvbridge.connector.movers.device_memory import Span
 from kvbridge.connector.movers.kernel import copy_groups, run_copy
+from kvbridge.connector.movers.memory import Span
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import Region
 from kvbridge.plan import Geometry, Side

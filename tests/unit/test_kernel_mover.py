@@ -18,7 +18,7 @@ import pytest
 
 from kvbridge.connector.movers import kernel as kernel_mover
 from kvbridge.connector.movers.copies import by_length
-from kvbridge.connector.movers.device_memory import Span
+from kvbridge.connector.movers.memory import Span
 from kvbridge.control.lease import LeaseState
 from kvbridge.control.messages import LeaseOp, tables_digest
 from kvbridge.errors import TransportError
@@ -121,7 +121,8 @@ def test_memory_mapped_again_gets_a_new_geometry_and_stale_offsets_copy_nothing(
         plan = before.geometry.plan(handle.n_tokens, handle.block_tables, d_tabs, 0)
         d_before = [b.copy() for b in w.d.bufs[0]]
         with pytest.raises(TransportError, match="mapped again since this load was planned"):
-            c.kernel.move(peer, plan.runs, replace(before, bases={src: (-1,) for src in plan.runs}))
+            stale = replace(before, bases={src: (-1,) for src in plan.runs})
+            c.kernel.launch(peer, plan.runs, stale)
         assert all(np.array_equal(a, b) for a, b in zip(d_before, w.d.bufs[0], strict=True))
         after, why = c.kernel.geometry(peer)
         assert after is not None and after is not before, why
@@ -267,7 +268,7 @@ def test_by_length_groups_runs_in_order() -> None:
 
 
 def test_equal_runs_cuts_joined_runs_into_one_length_byte_exact() -> None:
-    from kvbridge.connector.movers.device_memory import equal_runs
+    from kvbridge.connector.movers.memory import equal_runs
 
     rng = np.random.default_rng(3)
     length = rng.choice([1024, 2048, 3072, 5120], size=40).astype(np.int64)

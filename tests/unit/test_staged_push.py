@@ -8,6 +8,7 @@ round into D's slot; D scatters. Bytes must equal the reference and a direct pus
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 
 from kvbridge.connector.consumer import Consumer, Mode
 from kvbridge.connector.movers import copies
-from kvbridge.connector.movers.copies import LocalMemory, copy_equal
+from kvbridge.connector.movers.copies import copy_equal
+from kvbridge.connector.movers.memory import LocalMemory
 from kvbridge.connector.movers.push_gather import spans
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control import messages
@@ -88,7 +90,7 @@ class HeadSplit(World):
         ]
         for c in self.consumers:  # the choice, not the timing of a loaded machine
             if c.stager is not None:
-                c.stager.costs.c_desc = 1e-4
+                c.stager.costs.link = replace(c.stager.costs.link, desc_s=1e-4)
 
     def load(self, rid: str, n: int = N) -> tuple[list[list[np.ndarray]], list[list[int]]]:
         before = [[b.copy() for b in bufs] for bufs in self.d.bufs]
@@ -298,7 +300,7 @@ def test_gather_refuses_a_source_outside_local_memory() -> None:
     buf = np.zeros(256, np.uint8)
     mem = LocalMemory([Region(int(buf.ctypes.data), 256)])
     one = np.array([1], np.int64)
-    with pytest.raises(TransportError, match="leaves local memory"):
+    with pytest.raises(TransportError, match="lies in no region"):
         mem.gather(one * (int(buf.ctypes.data) + 250), np.zeros(64, np.uint8), one * 0, one * 8)
 
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector.movers.copies import LocalMemory, copy_equal
-from kvbridge.connector.movers.device_memory import DeviceMemory
+from kvbridge.connector.movers.copies import copy_equal
+from kvbridge.connector.movers.memory import LocalMemory
 from kvbridge.connector.movers.staging import CostModel, StagingPool, chunks
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
@@ -86,7 +86,7 @@ def test_scatter_refuses_a_run_outside_local_memory() -> None:
     buf = np.zeros(256, np.uint8)
     mem = LocalMemory([Region(int(buf.ctypes.data), 256)])
     stage = np.ones(64, np.uint8)
-    with pytest.raises(TransportError, match="leaves local memory"):
+    with pytest.raises(TransportError, match="lies in no region"):
         one = np.array([1], np.int64)
         mem.scatter(np.array([int(buf.ctypes.data) + 250]), stage, one * 0, one * 8)
 
@@ -147,20 +147,20 @@ def test_copy_equal_matches_a_run_by_run_copy(case: tuple[int, np.ndarray, np.nd
     assert np.array_equal(got, want)
 
 
-def _memory(where: str, bufs: list[np.ndarray]) -> LocalMemory | DeviceMemory:
+def _memory(where: str, bufs: list[np.ndarray]) -> LocalMemory:
     if where == "host":
         return LocalMemory([Region(int(b.ctypes.data), b.nbytes) for b in bufs])
     with mock.patch.dict(os.environ, {"KVBRIDGE_DEVICE_ON_CPU": "1"}):
         regions = [Region(int(b.ctypes.data), b.nbytes, MemKind.DEVICE) for b in bufs]
-        return DeviceMemory(regions)
+        return LocalMemory(regions)
 
 
 @pytest.mark.parametrize("where", ["host", "device"])
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_scatter_and_gather_over_several_regions_and_lengths(where: str, seed: int) -> None:
-    """Host memory through numpy (LocalMemory), device memory through torch (DeviceMemory;
-    here torch CPU tensors over the same bytes, KVBRIDGE_DEVICE_ON_CPU)."""
+    """Host memory through numpy, device memory through torch (here torch CPU tensors
+    over the same bytes, KVBRIDGE_DEVICE_ON_CPU)."""
     rng = np.random.default_rng(seed)
     # three regions carved from one buffer with guard gaps between them: the copies go
     # through one view spanning all regions, and must never write into a gap
@@ -209,7 +209,7 @@ def test_scatter_refuses_lengths_out_of_range_and_takes_uint64_addresses() -> No
     at = np.array([int(buf.ctypes.data) + 8], np.uint64)
     zero = np.zeros(1, np.int64)
     for bad in (0, 1 << 63, (1 << 64) - 8):  # from the wire as uint64: 2⁶³ and up wrap
-        with pytest.raises(TransportError, match="run length"):
+        with pytest.raises(TransportError, match="lies in no region"):
             mem.scatter(at, stage, zero, np.array([bad], np.uint64).view(np.int64))
     mem.scatter(at, stage, zero.astype(np.uint64), np.array([16], np.uint64))
     assert np.array_equal(buf[8:24], stage[:16]) and not buf[:8].any() and not buf[24:].any()
@@ -237,12 +237,13 @@ def test_cost_model_learns_descriptor_and_byte_costs_from_timed_transfers() -> N
     for _ in range(40):
         m.learn(16_384, 16_384 * 1024, 16_384 * c_desc + 16_384 * 1024 * c_byte)  # 1 KiB runs
         m.learn(64, 64 << 20, 64 * c_desc + (64 << 20) * c_byte)  # 1 MiB runs
-    assert m.c_desc == pytest.approx(c_desc, rel=0.05)
-    assert m.c_byte == pytest.approx(c_byte, rel=0.05)
-    assert m.max_gap() == int(m.c_desc / m.c_byte)  # 50 KB: a gap cheaper than a descriptor
+    assert m.link.desc_s == pytest.approx(c_desc, rel=0.05)
+    assert m.link.byte_s == pytest.approx(c_byte, rel=0.05)
+    gap = int(m.link.desc_s / m.link.byte_s)  # 50 KB: a gap cheaper than a descriptor
+    assert m.max_gap() == gap
     m.learn(16_384, 16_384 * 1024, 600.0)  # one stalled transfer: moves it, within bounds
-    assert m.c_desc <= 0.8 * c_desc * 1.05 + 0.2 * 1e-4
-    before = (m.c_desc, m.c_byte)
+    assert m.link.desc_s <= 0.8 * c_desc * 1.05 + 0.2 * 1e-4
+    before = (m.link.desc_s, m.link.byte_s)
     m.learn(100, 100 << 10, 1.0)  # neither many small runs nor long ones: says nothing
     m.learn(0, 0, 1.0)
-    assert (m.c_desc, m.c_byte) == before
+    assert (m.link.desc_s, m.link.byte_s) == before

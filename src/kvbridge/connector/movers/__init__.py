@@ -3,5 +3,5 @@
 (:mod:`.choice`), READ (:mod:`.pull`) and WRITE (:mod:`.push`; P's half
 :mod:`.push_gather`), staged rounds through a slot (:mod:`.staging`, :mod:`.spans`), the
 kernel mover for P's memory mapped on one node (:mod:`.kernel`) and the local copies
-(:mod:`.copies` on host memory; :mod:`.device_copies`, :mod:`.device_memory`,
-:mod:`.triton_copy`, :mod:`.triton_kernels` on a device)."""
+(:mod:`.memory` by address; :mod:`.copies` with numpy, :mod:`.device_copies`,
+:mod:`.triton_copy`, :mod:`.triton_kernels` with torch and Triton)."""

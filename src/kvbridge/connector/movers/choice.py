@@ -33,6 +33,7 @@ from kvbridge.connector.movers.staging import (
     MIN_DESC_S,
     MIN_RUNS,
     Link,
+    Staging,
 )
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import PushRuns
@@ -102,19 +103,6 @@ class PairCosts:
         return replace(self, write=new) if push else replace(self, read=new)
 
 
-class Staging(Protocol):
-    """What the price of a staged round needs of D's stager."""
-
-    @property
-    def slot_bytes(self) -> int: ...
-
-    @property
-    def per_run(self) -> float: ...
-
-    @property
-    def per_byte(self) -> float: ...
-
-
 def price(
     link: Link, runs: Mapping[int, Runs], push: bool, staging: Staging | None
 ) -> tuple[float, int]:
@@ -159,17 +147,10 @@ def choose(costs: PairCosts, runs: Mapping[int, Runs], staging: Staging | None) 
 class Probing(Protocol):
     """What the probe uses of a D rank."""
 
-    @property
-    def engine_id(self) -> str: ...
-
-    @property
-    def metadata(self) -> bytes: ...
-
-    @property
-    def stager(self) -> Stager | None: ...
-
-    @property
-    def transport(self) -> Transport: ...
+    engine_id: str
+    metadata: bytes
+    stager: Stager | None
+    transport: Transport
 
     def await_notifs(self, want: set[bytes], deadline: float) -> None: ...
 

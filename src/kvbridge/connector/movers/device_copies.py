@@ -11,7 +11,7 @@ torch ways go in chunks of at most :data:`CHUNK_WORDS` words. Measured: ``docs/g
 from __future__ import annotations
 
 import contextlib
-import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +21,8 @@ import torch
 
 from kvbridge import envs
 from kvbridge.connector.movers import triton_copy
+from kvbridge.connector.movers.copies import inside
 from kvbridge.errors import TransportError
-
-log = logging.getLogger(__name__)
 
 CHUNK_WORDS = 1 << 22
 """Most words one torch gather-scatter moves at once: its temporaries (the gathered
@@ -48,26 +47,23 @@ def rows_copy(
     """``dst[d_off[i] : d_off[i] + size] = src[s_off[i] : s_off[i] + size]`` for all i.
 
     ``dst``, ``src``: contiguous 1-D uint8 tensors on one device, possibly the same
-    tensor. ``d_off``, ``s_off``: byte offsets, 1-D integer tensors (moved to that device
-    as int64) or numpy arrays (moved once); ``size``: bytes per run. Runs must not
-    overlap: a destination run overlapping another run (source or destination) is the
-    caller's bug and leaves undefined bytes; disjoint runs copy exactly, whatever order
-    the kernels take. Every run is checked to lie inside its tensor before any byte
-    moves (TransportError naming the numbers). ``stream``: a CUDA stream that the
-    offsets' transfer, the checks and the copies run on (ignored for CPU tensors).
+    tensor. ``d_off``, ``s_off``: byte offsets, 1-D integer tensors or numpy arrays
+    (checked on the host, then moved once); ``size``: bytes per run. A destination run
+    overlapping another run is the caller's bug (undefined bytes). Every run is checked
+    to lie inside its tensor before any byte moves (TransportError naming the numbers).
+    ``stream``: the CUDA stream the transfer, checks and copies run on (CPU: ignored).
     Returns when the copies are queued on CUDA, done on CPU."""
     _check_tensors(dst, src, size)
     host = isinstance(d_off, np.ndarray) and isinstance(s_off, np.ndarray)
     if host:  # checked on the host: no read back from the device
-        facts = _inspect_host(dst, np.asarray(d_off), src, np.asarray(s_off), size)
+        divisor = _inspect_host(dst, np.asarray(d_off), src, np.asarray(s_off), size)
     with _on(stream, dst):
         d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
         if d.shape != s.shape:
             raise TransportError(f"{d.numel()} destination offsets for {s.numel()} sources")
         if d.numel() == 0:
             return
-        whole, low = facts if host else _inspect(dst, d, src, s, size)
-        _copy(dst, d, src, s, size, _word(size, low, dst, src), whole)
+        _copy(dst, d, src, s, size, divisor if host else _inspect(dst, d, src, s, size))
 
 
 def checked_copy(
@@ -80,28 +76,18 @@ def checked_copy(
     *,
     stream: Any = None,
 ) -> None:
-    """:func:`rows_copy` of runs the caller has already checked, without scanning them
-    again: every run lies inside its tensor and no destination run overlaps another run
-    (the kernel mover's :func:`~kvbridge.connector.movers.kernel.copy_groups` checks the
-    bounds of a plan; the planner writes each destination byte once), and ``divisor``
-    (bytes, > 0) divides every offset (the plan's geometry tells it:
-    :meth:`~kvbridge.plan.geometry.Geometry.divisor`). The word width and whether runs
-    are whole rows follow from ``divisor`` and ``size``: no per-run scan on the host or
-    read back from the device. An offset that ``divisor`` does not divide is the caller's
-    bug (undefined bytes), as an unchecked run would be. The choice is per ``divisor``,
-    not per call: a divisor below ``size`` takes word indices where whole rows might
-    have done (torch's way, without Triton), one below 8 narrower words."""
-    _check_tensors(dst, src, size)
-    if divisor <= 0:
-        raise TransportError(f"a divisor of {divisor} B")
+    """:func:`rows_copy` of runs the caller checked (inside their tensors, no overlap:
+    :func:`~kvbridge.connector.movers.kernel.copy_groups`), without scanning them again:
+    ``divisor`` (bytes, > 0; :meth:`~kvbridge.plan.geometry.Geometry.divisor`) divides
+    every offset and tells the word width and whether runs are whole rows. An offset it
+    does not divide is the caller's bug (undefined bytes)."""
+    _check_tensors(dst, src, size, divisor)
     if d_off.ndim != 1 or d_off.shape != s_off.shape:
         raise TransportError(f"destination offsets of shape {d_off.shape}, sources {s_off.shape}")
-    if not d_off.shape[0]:
-        return
-    with _on(stream, dst):
-        d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
-        low = min(divisor & -divisor, 8)  # the widest power of two ≤ 8 dividing it
-        _copy(dst, d, src, s, size, _word(size, low, dst, src), divisor % size == 0)
+    if d_off.shape[0]:
+        with _on(stream, dst):
+            d, s = _offsets(d_off, dst.device), _offsets(s_off, src.device)
+            _copy(dst, d, src, s, size, divisor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +108,10 @@ class GridCopy:
 def grid_copy(
     dst: torch.Tensor, src: torch.Tensor, g: GridCopy, divisor: int, *, stream: Any = None
 ) -> None:
-    """:func:`checked_copy` of the runs of grid ``g``, checked by the caller as there
-    (``divisor`` divides every offset and both strides). Only ``T + B`` offsets and ids
-    go to the device, in one transfer; where the fused kernel runs, no run's offsets are
-    made at all (the kernel makes them), else they are made on the device for torch's
-    copies."""
-    _check_tensors(dst, src, g.size)
-    if divisor <= 0:
-        raise TransportError(f"a divisor of {divisor} B")
+    """:func:`checked_copy` of the runs of grid ``g`` (``divisor`` also divides both
+    strides). Only ``T + B`` offsets and ids go to the device, in one transfer; the fused
+    kernel makes each run's offsets itself, torch's copies get them made on the device."""
+    _check_tensors(dst, src, g.size, divisor)
     arrays = (g.d_t, g.d_ids, g.s_t, g.s_ids)
     if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
         raise TransportError("a grid's offsets and ids must be 1-D integer arrays")
@@ -138,8 +120,7 @@ def grid_copy(
                              f"{g.d_ids.shape}/{g.s_ids.shape} tiles")  # fmt: skip
     if not g.d_t.shape[0] or not g.d_ids.shape[0]:
         return
-    low = min(divisor & -divisor, 8)  # the widest power of two ≤ 8 dividing it
-    w = _word(g.size, low, dst, src)
+    w = _word(g.size, divisor, dst, src)
     row, d_str, s_str = g.size // w, g.d_stride // w, g.s_stride // w
     with _on(stream, dst):
         d_t, d_ids, s_t, s_ids = _together((g.d_t // w, g.d_ids, g.s_t // w, g.s_ids), dst.device)
@@ -149,10 +130,7 @@ def grid_copy(
             return
         d = (d_t[:, None] + d_ids * d_str).reshape(-1)
         s = (s_t[:, None] + s_ids * s_str).reshape(-1)
-        if divisor % g.size == 0:  # whole rows
-            _rows(dw, _div(d, row), sw, _div(s, row), row)
-        else:
-            _flat(dw, d, sw, s, row)
+        _torch_copy(dw, d, sw, s, (1, row), divisor % g.size == 0)  # offsets in words
 
 
 def _together(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
@@ -201,24 +179,20 @@ def _probe_time(dev: torch.device, size: int) -> float:
     dst = torch.zeros_like(src)
     d_off = (torch.randperm(PROBE_RUNS, generator=gen) * size).to(dev)
     s_off = (torch.randperm(PROBE_RUNS, generator=gen) * size).to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda _: None
     times = []
     for _ in range(4):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         rows_copy(dst, d_off, src, s_off, size)
-        _sync(dev)
+        sync(dev)
         times.append(time.perf_counter() - t0)
     return min(times[1:])
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _check_tensors(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
-    """TransportError unless both are contiguous 1-D uint8 tensors on one device and a
-    run has at least one byte."""
+def _check_tensors(dst: torch.Tensor, src: torch.Tensor, size: int, divisor: int = 1) -> None:
+    """TransportError unless both are contiguous 1-D uint8 tensors on one device, a run
+    has at least one byte and ``divisor`` is positive."""
     for name, t in (("destination", dst), ("source", src)):
         if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
             raise TransportError(
@@ -229,6 +203,8 @@ def _check_tensors(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
         raise TransportError(f"destination on {dst.device}, source on {src.device}")
     if size <= 0:
         raise TransportError(f"a run of {size} B")
+    if divisor <= 0:
+        raise TransportError(f"a divisor of {divisor} B")
 
 
 def _offsets(off: Offsets, device: torch.device) -> torch.Tensor:
@@ -252,33 +228,33 @@ def _offsets(off: Offsets, device: torch.device) -> torch.Tensor:
 
 def _inspect(
     dst: torch.Tensor, d: torch.Tensor, src: torch.Tensor, s: torch.Tensor, size: int
-) -> tuple[bool, int]:
-    """Check every run lies inside its tensor (TransportError with the numbers) and tell
-    whether every offset is a multiple of ``size`` and the widest power of two up to 8
-    dividing every offset (bytes), in one read back to the host."""
+) -> int:
+    """Check every run lies inside its tensor (TransportError with the numbers) → a
+    divisor of every offset for :func:`_copy`, in one read back to the host: the widest
+    power of two up to 8 dividing every offset, times ``size``'s rest where every offset
+    is a multiple of ``size`` (whole rows)."""
     both = torch.stack((d, s))
     lo, hi = torch.aminmax(both, dim=1)
     rest = (both % size).amax()  # 0: every offset starts a whole row
     capped = both | 8  # lowest set bit of (off | 8): the widest word ≤ 8 dividing off
     low = (capped & -capped).amin()
     d_lo, s_lo, d_hi, s_hi, rest_b, low_b = torch.cat((lo, hi, rest[None], low[None])).tolist()
-    _inside("destination", dst.numel(), d_lo, d_hi, size)
-    _inside("source", src.numel(), s_lo, s_hi, size)
-    return rest_b == 0, low_b
+    inside("destination", dst.numel(), d_lo, d_hi, size)
+    inside("source", src.numel(), s_lo, s_hi, size)
+    return math.lcm(low_b, size) if rest_b == 0 else low_b
 
 
 def _inspect_host(
     dst: torch.Tensor, d: np.ndarray, src: torch.Tensor, s: np.ndarray, size: int
-) -> tuple[bool, int]:
+) -> int:
     """:func:`_inspect` for offsets still in host memory (numpy), before any transfer:
-    each side's extremes, and the facts from :func:`copy_divisor`."""
+    each side's extremes, and :func:`copy_divisor`."""
     if d.shape != s.shape or d.ndim != 1 or d.shape[0] == 0 or d.dtype.kind not in "iu":
-        return True, 8  # refused or a no-op below, by the tensor path
+        return 1  # refused or a no-op below, by the tensor path
     d, s = d.astype(np.int64, copy=False), s.astype(np.int64, copy=False)
-    _inside("destination", dst.numel(), int(d.min()), int(d.max()), size)
-    _inside("source", src.numel(), int(s.min()), int(s.max()), size)
-    k = copy_divisor(d, s, size, rows=not (dst.is_cuda and triton_enabled()))
-    return k % size == 0, min(k & -k, 8)
+    inside("destination", dst.numel(), int(d.min()), int(d.max()), size)
+    inside("source", src.numel(), int(s.min()), int(s.max()), size)
+    return copy_divisor(d, s, size, rows=not (dst.is_cuda and triton_enabled()))
 
 
 def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int, rows: bool = True) -> int:
@@ -293,25 +269,11 @@ def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int, rows: bool = T
     return low
 
 
-def _inside(name: str, nbytes: int, lo: int, hi: int, size: int) -> None:
-    if lo < 0 or hi + size > nbytes:
-        raise TransportError(
-            f"{name} runs of {size} B at offsets {lo}..{hi} leave the {nbytes} B "
-            f"{name} tensor (the highest ends at {hi + size})"
-        )
-
-
-def _word(size: int, low: int, *tensors: torch.Tensor) -> int:
-    """Bytes per word: the widest of 8, 4, 2, 1 that divides ``size``, every offset (``low``
-    does) and each tensor's address and storage offset (bytes: a dtype view needs both)."""
-    for w in (8, 4, 2):
-        if w <= low and size % w == 0 and all(_aligned(t, w) for t in tensors):
-            return w
-    return 1
-
-
-def _aligned(t: torch.Tensor, w: int) -> bool:
-    return t.data_ptr() % w == 0 and t.storage_offset() % w == 0
+def _word(size: int, divisor: int, *tensors: torch.Tensor) -> int:
+    """Bytes per word: the widest of 8, 4, 2, 1 that divides ``size``, ``divisor`` (so
+    every offset) and each tensor's address and storage offset (a dtype view needs both)."""
+    need = (size, divisor, *(t.data_ptr() for t in tensors), *(t.storage_offset() for t in tensors))
+    return next((w for w in (8, 4, 2) if all(x % w == 0 for x in need)), 1)
 
 
 def _words(t: torch.Tensor, w: int) -> torch.Tensor:
@@ -321,22 +283,44 @@ def _words(t: torch.Tensor, w: int) -> torch.Tensor:
 
 
 def _copy(
-    dst: torch.Tensor,
-    d: torch.Tensor,
-    src: torch.Tensor,
-    s: torch.Tensor,
-    size: int,
-    w: int,
-    whole: bool,
+    dst: torch.Tensor, d: torch.Tensor, src: torch.Tensor, s: torch.Tensor, size: int, divisor: int
 ) -> None:
-    """Move checked runs as ``w``-byte words: Triton if it may, else rows or flat."""
+    """Move checked runs as words as wide as ``divisor`` (dividing every offset) allows:
+    Triton if it may, else whole rows (``divisor`` a multiple of ``size``) or flat words."""
+    w = _word(size, divisor, dst, src)
     dw, sw, row = _words(dst, w), _words(src, w), size // w
     if dst.is_cuda and triton_enabled() and triton_copy.copy(dw, _div(d, w), sw, _div(s, w), row):
         return
+    _torch_copy(dw, d, sw, s, (w, row), divisor % size == 0)
+
+
+def _torch_copy(
+    dw: torch.Tensor,
+    d: torch.Tensor,
+    sw: torch.Tensor,
+    s: torch.Tensor,
+    shape: tuple[int, int],
+    whole: bool,
+) -> None:
+    """Runs of ``row`` words of ``w`` bytes, ``shape = (w, row)``, from offset ``s[i]`` of
+    words ``sw`` to ``d[i]`` of ``dw`` (offsets in bytes), in chunks of at most
+    :data:`CHUNK_WORDS` words: as whole rows (``whole``: every offset a multiple of a
+    row; one ``index_select`` + ``index_copy_``), else one word index each."""
+    w, row = shape
+    step = max(1, CHUNK_WORDS // row)
     if whole:
-        _rows(dw, _div(d, size), sw, _div(s, size), row)
-    else:
-        _flat(dw, _div(d, w), sw, _div(s, w), row)
+        d_row, s_row = _div(d, w * row), _div(s, w * row)
+        dr = dw[: dw.numel() // row * row].view(-1, row)
+        sr = sw[: sw.numel() // row * row].view(-1, row)
+        for lo in range(0, d_row.numel(), step):
+            dr.index_copy_(0, d_row[lo : lo + step], sr.index_select(0, s_row[lo : lo + step]))
+        return
+    d_w, s_w = _div(d, w), _div(s, w)
+    cols = torch.arange(row, dtype=torch.int64, device=dw.device)
+    for lo in range(0, d_w.numel(), step):
+        di = (d_w[lo : lo + step, None] + cols).reshape(-1)
+        si = (s_w[lo : lo + step, None] + cols).reshape(-1)
+        dw.index_copy_(0, di, sw.index_select(0, si))
 
 
 def _div(off: torch.Tensor, k: int) -> torch.Tensor:
@@ -345,28 +329,3 @@ def _div(off: torch.Tensor, k: int) -> torch.Tensor:
     if k & (k - 1):
         return off // k
     return off >> (k.bit_length() - 1) if k > 1 else off
-
-
-def _rows(
-    dw: torch.Tensor, d_row: torch.Tensor, sw: torch.Tensor, s_row: torch.Tensor, row: int
-) -> None:
-    """Runs that are whole rows of ``row`` words: row ``s_row[i]`` of ``sw`` to row
-    ``d_row[i]`` of ``dw`` (row indices, not bytes)."""
-    dr = dw[: dw.numel() // row * row].view(-1, row)
-    sr = sw[: sw.numel() // row * row].view(-1, row)
-    step = max(1, CHUNK_WORDS // row)
-    for lo in range(0, d_row.numel(), step):
-        dr.index_copy_(0, d_row[lo : lo + step], sr.index_select(0, s_row[lo : lo + step]))
-
-
-def _flat(
-    dw: torch.Tensor, d_w: torch.Tensor, sw: torch.Tensor, s_w: torch.Tensor, row: int
-) -> None:
-    """Runs of ``row`` words starting at word ``s_w[i]`` of ``sw`` to word ``d_w[i]`` of
-    ``dw``, one word index each."""
-    step = max(1, CHUNK_WORDS // row)
-    cols = torch.arange(row, dtype=torch.int64, device=dw.device)
-    for lo in range(0, d_w.numel(), step):
-        di = (d_w[lo : lo + step, None] + cols).reshape(-1)
-        si = (s_w[lo : lo + step, None] + cols).reshape(-1)
-        dw.index_copy_(0, di, sw.index_select(0, si))

@@ -2,7 +2,7 @@
 request's runs with one gather-scatter per source rank, no NIXL descriptor and no staging
 (``docs/gpu.md``). D plans in a geometry over the offsets of :class:`Span` tensors (P's
 regions as mapped here, D's own), so runs need no per-run address lookup; every run is
-bounds-checked first, and :meth:`KernelMover.move` returns only once its copies ended.
+bounds-checked first, and :meth:`Launched.finish` returns only once its copies ended.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvbridge.connector.movers.device_copies import GridCopy, checked_copy, grid_copy
-from kvbridge.connector.movers.device_memory import Span, equal_runs
+from kvbridge.connector.movers.memory import Span, equal_runs
 from kvbridge.connector.peers import Peer
 from kvbridge.control.messages import rank_shares
 from kvbridge.errors import TransportError
@@ -34,9 +34,9 @@ _MADE = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class Over:
-    """A pair's geometry over the offsets of mapped memory, the offsets of P's regions
-    (per P rank) it was made over, and per P rank a number dividing every offset and
-    length its runs can have (:meth:`Geometry.divisor`: the copies' word width)."""
+    """A pair's geometry over the offsets of mapped memory, per P rank the offsets of its
+    regions it was made over and a number dividing every offset and length of its runs
+    (:meth:`Geometry.divisor`: the copies' word width)."""
 
     geometry: Geometry
     bases: dict[int, tuple[int, ...]]
@@ -68,8 +68,8 @@ class KernelMover:
         self.on = torch_device(self.kind, self.device)
         self.stream = torch.cuda.Stream(device=self.on) if self.on.type == "cuda" else None
         self.overlap = self.stream is not None
-        """Take P's ``begin`` answer while the copies run (:meth:`move`'s ``meanwhile``):
-        where they run asynchronously (a GPU). Host copies are synchronous, and the side
+        """Take P's ``begin`` answer while the copies run (:meth:`Launched.finish`): where
+        they run asynchronously (a GPU). Host copies are synchronous, and the side
         channel to P stays locked until its answer is taken: then it is taken first."""
         self._lock = threading.Lock()
         self._sources: dict[tuple[str, int], _Mapped] = {}
@@ -78,9 +78,9 @@ class KernelMover:
         """Per P engine id: (the mappings it was made over, geometry over their offsets)."""
 
     def geometry(self, peer: Peer) -> tuple[Over | None, str]:
-        """The pair's geometry over the offsets of the memory this mover copies between
-        (P's regions as mapped here now, D's own), to plan a request in; ``(None, why)`` if
-        this mover cannot serve ``peer``. Made once per mapping of P's ranks."""
+        """The pair's geometry over the offsets of P's regions as mapped here now and of
+        D's own, to plan a request in (made once per mapping of P's ranks); ``(None,
+        why)`` if this mover cannot serve ``peer``."""
         sources = sorted(peer.geometry.links)
         why = self._cannot_serve(peer, sources)
         if why or peer.remake is None:
@@ -123,9 +123,8 @@ class KernelMover:
         return "" if peer.remake is not None else "no geometry over mapped memory"
 
     def ready(self, peer: Peer) -> bool:
-        """Whether :meth:`geometry` would answer at once: nothing to map or make (every P
-        rank mapped at this epoch or known unmappable, the geometry made over them), or
-        this mover cannot serve ``peer`` anyway."""
+        """Whether :meth:`geometry` would answer at once: every P rank mapped at this
+        epoch (or known unmappable) and the geometry made, or ``peer`` not served."""
         sources = sorted(peer.geometry.links)
         if self._cannot_serve(peer, sources):
             return True
@@ -147,25 +146,12 @@ class KernelMover:
         finally:
             self._lock.release()
 
-    def move(
-        self,
-        peer: Peer,
-        runs: dict[int, Runs],
-        over: Over,
-        meanwhile: Callable[[], object] | None = None,
-    ) -> int:
-        """Copy every run of ``runs`` (per P rank; planned in ``over``, from
-        :meth:`geometry`) from P's mapped memory; the number of copy calls: :meth:`launch`,
-        then :meth:`Launched.finish` with ``meanwhile``."""
-        return self.launch(peer, runs, over).finish(meanwhile)
-
     def launch(self, peer: Peer, runs: dict[int, Runs], over: Over) -> Launched:
-        """Start copying every run of ``runs`` (asynchronous on a GPU; on the host the
-        copies end here): what ends them (:meth:`Launched.finish`, to be called exactly
-        once). P's memory mapped again since ``over`` was made is a
-        :class:`TransportError` before any byte moves. Every run is bounds-checked once
-        (:func:`copy_groups`); the copies scan nothing again. Raises only once every copy
-        it started has ended."""
+        """Start copying every run of ``runs`` (per P rank; planned in ``over``, from
+        :meth:`geometry`), asynchronously on a GPU, on the host to the end: what ends
+        them (:meth:`Launched.finish`, called once). P's memory mapped again since
+        ``over`` was made is a :class:`TransportError` before any byte moves. Every run is
+        bounds-checked once (:func:`copy_groups`). Raises once every copy it started ended."""
         out = Launched(self)
         try:
             for src, r in runs.items():
@@ -186,9 +172,8 @@ class KernelMover:
         return out
 
     def _acquire(self, peer: Peer, src: int) -> _Mapped:
-        """P rank ``src``'s regions mapped here (once per P epoch), marked in use; the
-        mapping of an older epoch of that P (engine id and rank) is retired when a load
-        meets the new one, and unmapped once no move uses it."""
+        """P rank ``src``'s regions mapped here (once per P epoch), marked in use; a
+        mapping of an older epoch is retired here, unmapped once no move uses it."""
         key = (peer.engine_id, src)
         with self._lock:
             known = self._sources.get(key)
@@ -246,8 +231,7 @@ class KernelMover:
 
 @dataclass(slots=True)
 class Launched:
-    """Copies :meth:`KernelMover.launch` started: the mappings they read held until
-    :meth:`finish` ended them."""
+    """Copies :meth:`KernelMover.launch` started, holding the mappings they read."""
 
     mover: KernelMover
     held: list[_Mapped] = field(default_factory=list)
@@ -255,10 +239,9 @@ class Launched:
     ended: bool = False
 
     def finish(self, meanwhile: Callable[[], object] | None = None) -> int:
-        """Run ``meanwhile`` (while the copies run, on a GPU), then wait for the copies →
-        the number of copy calls. Returns (or raises, ``meanwhile``'s error first) only
-        once every copy ended and the mappings are released; a second call does nothing
-        more."""
+        """Run ``meanwhile`` (while the copies run, on a GPU), wait for the copies and
+        release the mappings → the number of copy calls; returns or raises
+        (``meanwhile``'s error) only then. A second call does nothing more."""
         if self.ended:
             return self.calls
         try:
@@ -282,9 +265,8 @@ grid of runs of one length."""
 
 def copy_groups(src: Span, dst: Span, r: Runs, what: str) -> list[Copy]:
     """Runs ``r`` planned over the spans' offsets (:meth:`KernelMover.geometry`), each
-    bounds-checked, as few copies of one length as possible, one copy call each. A plan's
-    grids (:class:`~kvbridge.plan.runs.Grid`) stay grids: each checked from its ``T``
-    offsets and ``B`` ids, one :class:`GridCopy` per length among its ``T`` runs."""
+    bounds-checked, as few copies of one length as possible (one copy call each); a
+    plan's grids stay grids, one :class:`GridCopy` per length among its ``T`` runs."""
     if r.grids is not None:
         return [c for g in r.grids if len(g) for c in _grid_copies(src, dst, g, what)]
     if not len(r):

@@ -1,7 +1,7 @@
 """D's half of push mode: each P rank writes its runs into D's blocks direct, or (many
-small runs) into D's staging slot at contiguous offsets, round by round, D scattering a
-round once every notification of it arrived (``docs/faults.md``, staged push). A failed
-load keeps the slot until the fence (:mod:`kvbridge.connector.fence`)."""
+small runs) into D's staging slot, round by round, D scattering a round once every
+notification of it arrived (``docs/faults.md``, staged push; P's half: :mod:`.push_gather`).
+A failed load keeps the slot until the fence (:mod:`kvbridge.connector.fence`)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ from kvbridge.plan.runs import Runs
 @dataclass(frozen=True, slots=True)
 class Pusher:
     """``job``'s pushes from D rank ``who`` = (engine id, epoch, rank, world; transport
-    metadata ``agent``), bound to its lease (:class:`.push_gather.PushLedger`) by
-    its ``begin`` token, D's epoch, the nonce D issued for the load and D's engine id.
-    ``job.pushed`` gets each P rank before it is asked (it may write even if the call
-    fails)."""
+    metadata ``agent``), bound to its lease (:class:`.push_gather.PushLedger`) by its
+    ``begin`` token, D's epoch and engine id and the load's nonce. ``job.pushed`` gets
+    each P rank before it is asked (it may write even if the call fails)."""
 
     peer: Peer
     job: _Load
@@ -46,9 +45,8 @@ class Pusher:
         staged: bool = False,
     ) -> Callable[[], int]:
         """Ask P rank ``src`` to write ``runs`` (its sources, D's destinations, lengths)
-        as message ``part`` = (number, the last to that rank) of the load; returns what
-        takes P's answer, the descriptors it posted (call it once: the rank's channel
-        waits for it)."""
+        as message ``part`` = (number, the last to that rank) of the load → what takes
+        P's answer, the descriptors it posted (call it once: the channel waits for it)."""
         s, d, n = (a.astype("<u8").tobytes() for a in runs)
         job, (engine, epoch, _, _) = self.job, self.who
         msg = PushRuns(
@@ -62,15 +60,11 @@ class Pusher:
         return lambda: reply_runs(reply(), "staged push" if staged else "push")
 
     def direct(self, runs: dict[int, Runs]) -> tuple[set[bytes], int]:
-        """Send each source rank its runs (one message, the last of the load to that
-        rank): the notifications that will say they landed, and the descriptors posted."""
-        want = set()
-        total = 0
-        for src, r in runs.items():
-            notif = self.notif(src).encode()
-            total += self.ask(src, r.as_uint64(), notif)()
-            want.add(notif)
-        return want, total
+        """Send each source rank its runs (one message, the last to that rank) → the
+        notifications that will say they landed, and the descriptors posted."""
+        want = {src: self.notif(src).encode() for src in runs}
+        total = sum(self.ask(src, r.as_uint64(), want[src])() for src, r in runs.items())
+        return set(want.values()), total
 
 
 def reply_runs(reply: Message, what: str) -> int:
@@ -94,18 +88,18 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class StagedPush:
+    """Rounds through ``slot`` of the P ``ranks`` staged (the others pushed direct)."""
+
     slot: int
     rounds: list[list[Part]]
     ranks: frozenset[int]
-    """P ranks whose runs go through the slot (the others are pushed direct)."""
 
 
 def choose_push(
     stager: Stager, runs: dict[int, Runs], link: Link | None = None
 ) -> StagedPush | None:
-    """The P ranks whose runs the cost model stages (:meth:`Stager.choose` with
-    ``push``; ``link``: the pair's measured WRITE costs), and a slot; None: all direct
-    (also when no slot frees up within 10 ms)."""
+    """The P ranks whose runs the cost model stages (:meth:`Stager.choose`; ``link``:
+    the pair's measured WRITE costs) and a slot; None: all direct."""
     staged, slot = stager.choose(runs, push=True, link=link)
     if slot is None:
         return None
@@ -137,12 +131,12 @@ Asked = tuple[list[Callable[[], int]], set[bytes]]
 def push_staged(
     stager: Stager, pusher: Pusher, plan: StagedPush, await_notifs: Callable[[set[bytes]], None]
 ) -> tuple[int, int]:
-    """Rounds through the slot's halves (:func:`~kvbridge.connector.movers.spans.rounds`): ask
-    each P rank for round ``k`` once round ``k - 1`` landed (every answer and
-    notification; ``await_notifs`` raises at the deadline), then scatter round ``k - 1``
-    while P writes round ``k``: ``(descriptors P posted, runs moved)``. The slot is the
-    caller's to give back (now, or after the fence); calls not yet answered when this
-    raises are answered first (the ranks' channels wait for them)."""
+    """Rounds through the slot's halves (:func:`.spans.rounds`): ask each P rank for
+    round ``k`` once round ``k - 1`` landed (every answer and notification;
+    ``await_notifs`` raises at the deadline), then scatter round ``k - 1`` while P
+    writes round ``k`` → ``(descriptors P posted, runs moved)``. The slot is the caller's
+    to give back; calls unanswered when this raises are answered first (the ranks'
+    channels wait for them)."""
     base = stager.pool.region.addr + plan.slot * stager.pool.slot_bytes
     view = stager.pool.view(plan.slot)
     counts = [0, 0]

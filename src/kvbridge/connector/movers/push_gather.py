@@ -1,9 +1,8 @@
-"""P's half of push: which pushes a rank has written (:class:`PushLedger`: each load's
-pushes at most once; the first push of (D engine, request, token, D epoch) binds D's
+"""P's half of push (``docs/faults.md``): which pushes a rank has written
+(:class:`PushLedger`: the first push of (D engine, request, token, D epoch) binds D's
 nonce, each part is written once, the ``last`` part or a fence retires the nonce), and
-the gather of a staged push's scattered source runs into one of a few registered slots,
-written to D as a few long spans (no free slot, or runs that do not fit one: direct).
-Both: ``docs/faults.md``.
+the gather of a staged push's source runs into a registered slot, written to D as a few
+long spans (:class:`PushGather`; no free slot, or runs that do not fit one: direct).
 """
 
 from __future__ import annotations
@@ -13,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbridge.connector.movers.memory import LocalMemory
 from kvbridge.connector.movers.spans import Chunk, chunks
-from kvbridge.connector.movers.staging import StagingPool, local_memory
+from kvbridge.connector.movers.staging import StagingPool
 from kvbridge.control.messages import PushRuns
 from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
@@ -96,10 +96,8 @@ MIN_RUNS = 16
 
 def spans(dst: np.ndarray, src: np.ndarray, length: np.ndarray, slot_bytes: int) -> Chunk | None:
     """Runs whose destinations join into few contiguous spans (at most one per 4 runs),
-    none overlapping, whose bytes fit a slot: the staged pull's packer
-    (:func:`~kvbridge.connector.movers.spans.chunks`) keyed by destination, one round: the
-    chunk's spans are D's, its runs P's sources at their offsets in the slot. None:
-    write direct."""
+    none overlapping, whose bytes fit a slot, as one round of :func:`.spans.chunks` keyed
+    by destination: its spans are D's, its runs P's sources. None: write direct."""
     n = dst.shape[0]
     if n < MIN_RUNS or int(length.sum()) > slot_bytes:
         return None
@@ -115,7 +113,7 @@ class PushGather:
 
     def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
         self.pool = StagingPool(slots, slot_bytes, regions[0].kind, regions[0].device)
-        self.memory = local_memory(regions)
+        self.memory = LocalMemory(regions)
         self.gathered = 0
         """Staged pushes written from a slot."""
         self.direct = 0
@@ -130,9 +128,8 @@ class PushGather:
         n: np.ndarray,
         notif: bytes,
     ) -> tuple[XferHandle, int | None, int]:
-        """Gather and WRITE ``src`` → ``dst`` with ``notif``; ``(handle, slot the WRITE
-        reads from or None, descriptors posted)``. The caller gives the slot back with
-        :meth:`release` once the WRITE ended."""
+        """Gather and WRITE ``src`` → ``dst`` with ``notif`` → ``(handle, slot the WRITE
+        reads from or None, descriptors posted)``; :meth:`release` the slot once it ended."""
         s, d, ln = (a.view(np.int64) for a in (src, dst, n))
         layout = spans(d, s, ln, self.pool.slot_bytes)
         slot = self.pool.take(0.0) if layout is not None else None
@@ -142,14 +139,9 @@ class PushGather:
         try:
             c = layout
             self.memory.gather(c.run_dst, self.pool.view(slot), c.run_stage, c.run_len)
-            base = np.int64(self.pool.region.addr + slot * self.pool.slot_bytes)
-            handle = transport.write(
-                peer,
-                (c.span_stage + base).view(np.uint64),
-                c.span_src.view(np.uint64),
-                c.span_len.view(np.uint64),
-                notif,
-            )
+            stage = c.span_stage + np.int64(self.pool.region.addr + slot * self.pool.slot_bytes)
+            local, remote, nbytes = (a.view(np.uint64) for a in (stage, c.span_src, c.span_len))
+            handle = transport.write(peer, local, remote, nbytes, notif)
         except BaseException:
             self.pool.give_back(slot, True)  # nothing posted reads from it
             raise

@@ -31,55 +31,34 @@ if TYPE_CHECKING:
 
 
 class Rank(Probing, Protocol):
-    """What the movers use of a D rank: what the probe uses (its identity for P, its
-    ``stager`` and ``transport``, its notification wait) and its kernel mover, how it
-    moves (``mode``, ``staging``, ``post_runs``, ``timeout_s``), AUTO's measured
-    ``pair_costs`` and their lock, its lease calls. A
-    :class:`~kvbridge.connector.consumer.Consumer` is one; the movers never see the rest
-    of it."""
+    """What the movers use of a D rank (a :class:`~kvbridge.connector.consumer.Consumer`
+    is one; the movers never see the rest of it): what the probe uses, its kernel mover,
+    how it moves, AUTO's measured ``pair_costs`` and their lock, its lease calls."""
 
-    @property
-    def kernel(self) -> KernelMover | None: ...
-
-    @property
-    def movers(self) -> tuple[MoverKind, ...]: ...
-
-    @property
-    def mode(self) -> Mode: ...
-
-    @property
-    def staging(self) -> bool: ...
-
-    @property
-    def post_runs(self) -> int: ...
-
-    @property
-    def timeout_s(self) -> float: ...
-
-    @property
-    def pair_costs(self) -> dict[tuple[str, str], PairCosts]: ...
-
-    @property
-    def measuring(self) -> threading.Lock: ...
-
-    @property
-    def leases(self) -> LeaseCalls: ...
+    kernel: KernelMover | None
+    movers: tuple[MoverKind, ...]
+    mode: Mode
+    staging: bool
+    post_runs: int
+    timeout_s: float
+    pair_costs: dict[tuple[str, str], PairCosts]
+    measuring: threading.Lock
+    leases: LeaseCalls
 
 
 @dataclass(frozen=True, slots=True)
 class MoverKind:
-    """A mover by name. ``serves(d, peer, plan, job)``: why it moves this load ("": it
-    does not); ``run(d, peer, plan, job)``: moves it, returning only once every byte
-    landed (and leaving what may still land in ``job.live`` / ``job.slot`` when it
-    fails); ``plan_in(d, peer, job)``: the geometry the load must be planned in for this
-    mover to move it (None: the pair's, and any mover); ``early(d)``: whether, for a
-    load planned in its own geometry, it may start before P answered ``begin`` (it reads
-    P's memory without asking P, and calls ``job.answer`` once its copies are launched,
-    before waiting for them); ``ready(d, peer)``: whether ``plan_in`` would answer at
-    once (needed for a load to start on the engine's thread, :meth:`Consumer.load`; a
-    mover with ``plan_in`` and no ``ready`` never lets one); ``launch(d, peer, plan,
-    job)``: an early mover's start on the engine's thread, without waiting (``run`` ends
-    it, from a worker)."""
+    """A mover by name, tried in ``order``. ``serves(d, peer, plan, job)``: why it moves
+    this load ("": it does not); ``run(...)``: moves it, returning once every byte
+    landed (what may still land left in ``job.live`` / ``job.slot`` when it fails);
+    ``plan_in(d, peer, job)``: the geometry the load must be planned in for this mover
+    (None: the pair's, any mover); ``ready(d, peer)``: whether ``plan_in`` answers at once
+    (a load starts on the engine's thread only then, :meth:`Consumer.load`; never where
+    a mover has ``plan_in`` and no ``ready``);
+    ``early(d)``: whether, planned in its own geometry, it may start before P answered
+    ``begin`` (it reads P's memory without asking P, and calls ``job.answer`` once its
+    copies are launched); ``launch(...)``: such a start on the engine's thread, without
+    waiting (``run`` ends it, from a worker)."""
 
     name: str
     order: int
@@ -169,26 +148,19 @@ def _kernel_plan_in(d: Rank, peer: Peer, job: _Load) -> Geometry | None:
 
 
 def _kernel_serves(d: Rank, peer: Peer, plan: Plan, job: _Load) -> str:
-    if d.kernel is None or job.mapped is None:
-        return ""
-    return "P's memory is mapped here (same node)"
+    return "P's memory is mapped here (same node)" if d.kernel and job.mapped else ""
 
 
 def _kernel_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     assert d.kernel is not None and job.mapped is not None
-    if job.launched is not None:  # launched on the engine's thread (_kernel_launch)
-        job.posted += job.launched.finish(job.answer)
-    else:
-        job.posted += d.kernel.move(peer, plan.runs, job.mapped, meanwhile=job.answer)
+    # launched on the engine's thread already (_kernel_launch), else now
+    launched = job.launched or d.kernel.launch(peer, plan.runs, job.mapped)
+    job.posted += launched.finish(job.answer)
 
 
 def _kernel_launch(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     assert d.kernel is not None and job.mapped is not None
     job.launched = d.kernel.launch(peer, plan.runs, job.mapped)
-
-
-def _kernel_ready(d: Rank, peer: Peer) -> bool:
-    return d.kernel is None or d.kernel.ready(peer)
 
 
 MEASURING = "being measured"
@@ -224,7 +196,7 @@ def direction(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[Mode, str]:
             job.direction = d.mode, f"{d.mode.value} mode"
         else:
             costs = costs_of(d, peer, min(plan.runs.keys(), default=0))
-            staging = d.stager if d.staging else None
+            staging = d.stager.priced if d.stager and d.staging else None
             job.direction = choose(costs, plan.runs, staging)
     return job.direction
 
@@ -297,26 +269,11 @@ def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     job.slot = None
 
 
-def _kernel_early(d: Rank) -> bool:
-    return d.kernel is not None and d.kernel.overlap
-
-
 KERNEL = MoverKind(
     "kernel", 0, _kernel_serves, _kernel_run, plan_in=_kernel_plan_in,
-    early=_kernel_early, ready=_kernel_ready, launch=_kernel_launch,
+    early=lambda d: d.kernel is not None and d.kernel.overlap,
+    ready=lambda d, peer: d.kernel is None or d.kernel.ready(peer), launch=_kernel_launch,
 )  # fmt: skip
 register_mover(KERNEL)
 register_mover(MoverKind("push", 10, _serves_in(Mode.PUSH), _push_run))
 register_mover(MoverKind("pull", 20, _serves_in(Mode.PULL), _pull_run))
-
-__all__ = [
-    "MoverKind",
-    "direction",
-    "early",
-    "launch_early",
-    "mover_names",
-    "movers",
-    "plan_geometry",
-    "plan_ready",
-    "register_mover",
-]

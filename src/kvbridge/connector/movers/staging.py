@@ -1,7 +1,7 @@
-"""Staged pulls: many small runs read as a few long source spans into a registered
-staging slot on D, then scattered to their destinations by a local copy. A slot whose
-READ may still land is reused only after the fence (``docs/faults.md``); whether a
-request is staged is :class:`CostModel`'s call.
+"""Staging: many small runs moved as a few long spans through a registered slot, then
+copied to their destinations locally (pulled here: :meth:`Stager.pull`; pushed:
+:mod:`.push`). A slot a transfer may still land in is reused only after the fence
+(``docs/faults.md``); whether a source rank is staged is :class:`CostModel`'s call.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import torch
 
 from kvbridge.connector.movers.copies import (
     VIEW_S,
-    LocalMemory,
     copy_equal,
     gather_scatter,
     gather_word,
     progressions,
 )
 from kvbridge.connector.movers.device_copies import copy_cost_probe
-from kvbridge.connector.movers.device_memory import DeviceMemory
+from kvbridge.connector.movers.memory import LocalMemory
 from kvbridge.connector.movers.spans import Chunk, Regions, chunks, rounds
 from kvbridge.errors import TransportError
 from kvbridge.layout.tensor import MemKind
@@ -34,19 +33,15 @@ from kvbridge.plan.runs import Runs
 from kvbridge.transport.base import Region, Transport, XferHandle
 from kvbridge.transport.memory import torch_device
 
-DESC_COST_S = 2e-6
-"""Initial per-descriptor cost (NIXL on these machines: 1.4–5 µs); learned after."""
-TRANSFER_S_PER_B = 0.25e-9
-"""Initial transfer time per byte (~4 GB/s: NIXL between processes here moves 3–14 GB/s
-by run size and load); learned after: what a gap read into a staging span costs."""
+ROUND_TRIP_S, DESC_COST_S, TRANSFER_S_PER_B = 1e-4, 2e-6, 0.25e-9
+"""Initial costs of a round (post, wait), a descriptor (NIXL here: 1.4–5 µs) and a byte
+(~4 GB/s; NIXL between processes here: 3–14 GB/s), learned after."""
 MAX_GAP = 64 << 10
 """Longest gap a staged span reads over, whatever the per-descriptor cost."""
 MIN_DESC_S, MAX_DESC_S = 1e-8, 1e-4
 MIN_BYTE_S, MAX_BYTE_S = 1e-12, 1e-7
 """What one learned sample may say (10 ns to 100 µs a descriptor, 1 TB/s to 10 MB/s a
 byte): one stalled or one lucky transfer moves the estimate, it cannot throw it out."""
-ROUND_TRIP_S = 1e-4
-"""Fixed cost of one more transfer round (post, wait) per staged chunk."""
 MIN_RUNS, MAX_AVG = 64, 16 << 10
 """A source rank's runs may be staged only if this many or more, of at most this many
 bytes on average (fewer or longer: direct, without sorting them)."""
@@ -83,15 +78,13 @@ class Link:
 
 
 class CostModel:
-    """Direct: ``runs · c_desc``. Staged: ``spans · c_desc + rounds · round trip +
-    gap bytes · c_byte + scatter(runs, bytes)``; the scatter's per-run and per-byte
-    costs are measured at start-up; the transport's (:class:`Link`) are the pair's
-    measured ones where D measured them (:mod:`kvbridge.connector.movers.choice`), else
-    ``link``, learned from the direct transfers the consumer times."""
+    """Direct: ``runs · desc_s``. Staged: ``spans · desc_s + rounds · round_s + gap
+    bytes · byte_s + local copies``. The copies' costs are measured at start-up (on
+    ``device`` with torch kernels, :func:`.device_copies.copy_cost_probe`; None: numpy's);
+    the transport's (:class:`Link`) are the pair's where D measured them
+    (:mod:`.choice`), else :attr:`link`, learned from the direct transfers D times."""
 
     def __init__(self, device: torch.device | None = None) -> None:
-        """``device``: the copies run there as torch kernels (device memory), measured
-        once (:func:`~kvbridge.connector.movers.device_copies.copy_cost_probe`); else numpy's."""
         self.link = Link(ROUND_TRIP_S, DESC_COST_S, TRANSFER_S_PER_B)
         self.on_device = device is not None
         if device is not None:
@@ -103,18 +96,6 @@ class CostModel:
             self.whole_run, self.whole_byte = _measure_scatter(whole=True)
             self.per_byte_strided = _measure_strided()
         self._lock = threading.Lock()
-
-    @property
-    def c_desc(self) -> float:
-        return self.link.desc_s
-
-    @c_desc.setter
-    def c_desc(self, value: float) -> None:
-        self.link = replace(self.link, desc_s=value)
-
-    @property
-    def c_byte(self) -> float:
-        return self.link.byte_s
 
     def staged_wins(
         self,
@@ -128,11 +109,10 @@ class CostModel:
         link: Link | None = None,
         direct_rounds: int = 0,
     ) -> bool:
-        """``copies``: local copies of every byte (a staged push: P's gather and D's
-        scatter, 2); ``shape``: how they copy (:func:`copy_shape`); ``extra``: bytes the
-        spans move beyond the runs' (the gaps they read over); ``link``: the pair's
-        measured costs in the load's direction (None: :attr:`link`); ``direct_rounds``:
-        the direct transfer's rounds that staging spares (push: the rank's own; pull: 0)."""
+        """``copies``: local copies of every byte (pushed: P's gather and D's scatter);
+        ``shape``: how they copy (:func:`copy_shape`); ``extra``: the gap bytes spans read
+        over; ``link``: the pair's costs that way (None: :attr:`link`); ``direct_rounds``:
+        the direct transfer's rounds staging spares (push: the rank's own; pull: 0)."""
         t = link or self.link
         direct = runs * t.desc_s + direct_rounds * t.round_s
         staged = spans * t.desc_s + rounds * t.round_s + max(extra, 0) * t.byte_s
@@ -146,11 +126,12 @@ class CostModel:
         return staged + copies * copy < direct
 
     def shape(self, chs: list[Chunk], push: bool) -> CopyShape:
-        """How a staged round's copies go (:func:`copy_shape`); torch kernels on a device
-        have no strided views to weigh: one gather-scatter at the measured cost."""
-        if self.on_device:
-            return (None, False)
-        return _shape([copy_shape(c, push) for c in chs])
+        """How the chunks' copies go (:func:`copy_shape`; torch kernels on a device: one
+        gather-scatter at the measured cost)."""
+        shapes = [(None, False)] if self.on_device else [copy_shape(c, push) for c in chs]
+        if all(v is not None for v, _ in shapes):  # all strided: their views
+            return sum(v for v, _ in shapes if v is not None), False
+        return None, all(w for v, w in shapes if v is None)  # whole words if all gather so
 
     def max_gap(self, link: Link | None = None) -> int:
         """The gap whose bytes cost as much to move as one more descriptor."""
@@ -164,9 +145,8 @@ class CostModel:
 
 
 def _measure_scatter(whole: bool) -> tuple[float, float]:
-    """Seconds per run and per byte of :func:`copy_equal`'s gather-scatter, from two
-    timed copies of runs in no order: ``whole``, offsets multiples of the run length (a
-    run is one word), else sharing 8 bytes only (8-byte words: the slowest it gets)."""
+    """Seconds per run and per byte of :func:`copy_equal`'s gather-scatter of runs in no
+    order: ``whole``, a run one word, else 8-byte words (the slowest it gets)."""
     src = np.ones(1 << 20, np.uint8)
     dst = np.zeros(1 << 20, np.uint8)
 
@@ -193,14 +173,22 @@ def _measure_strided() -> float:
 
 
 def _best(copy: Callable[[], None]) -> float:
-    """Seconds of the fastest of three calls of ``copy``."""
-    return min(timeit.repeat(copy, number=1, repeat=3))
+    return min(timeit.repeat(copy, number=1, repeat=3))  # the fastest of three, seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Staging:
+    """What the choice prices a staged round with (:func:`.choice.price`): the slots'
+    bytes, the local copies' seconds per run and per byte."""
+
+    slot_bytes: int
+    per_run: float
+    per_byte: float
 
 
 class StagingPool:
-    """``slots`` staging slots of ``slot_bytes`` in one buffer, registered by the
-    consumer with its transport, in memory of ``kind`` (device memory: a torch tensor on
-    GPU ``device``). A slot whose READ may still land is not given back."""
+    """``slots`` staging slots of ``slot_bytes`` in one buffer (registered by its owner),
+    in memory of ``kind`` (device memory: a torch tensor on GPU ``device``)."""
 
     def __init__(self, slots: int, slot_bytes: int, kind: MemKind = MemKind.HOST, device: int = 0):
         self.slot_bytes = slot_bytes
@@ -238,27 +226,17 @@ class StagingPool:
 
 
 class Stager:
-    """D's staged pulls: a slot pool registered with the consumer's transport, writable
-    views of D's regions and the cost model that picks staged or direct per request."""
+    """D's staging: a slot pool, writable access to D's ``regions`` and the cost model
+    that picks staged or direct per source rank."""
 
     def __init__(self, regions: list[Region], slots: int, slot_bytes: int):
-        kind, device = regions[0].kind, regions[0].device
-        self.pool = StagingPool(slots, slot_bytes, kind, device)
-        self.memory = local_memory(regions)
-        on_device = kind is not MemKind.HOST
-        self.costs = CostModel(torch_device(kind, device) if on_device else None)
+        self.pool = StagingPool(slots, slot_bytes, regions[0].kind, regions[0].device)
+        self.memory = LocalMemory(regions)
+        self.costs = CostModel(None if self.memory.host else self.memory.span.tensor.device)
 
     @property
-    def slot_bytes(self) -> int:
-        return self.pool.slot_bytes
-
-    @property
-    def per_run(self) -> float:  # a local copy's, per run (what the choice prices)
-        return self.costs.per_run
-
-    @property
-    def per_byte(self) -> float:
-        return self.costs.per_byte
+    def priced(self) -> Staging:
+        return Staging(self.pool.slot_bytes, self.costs.per_run, self.costs.per_byte)
 
     def choose(
         self,
@@ -267,31 +245,25 @@ class Stager:
         push: bool = False,
         link: Link | None = None,
     ) -> tuple[dict[int, list[Chunk]], int | None]:
-        """Source ranks whose runs go through staging, and the slot they will use;
-        ``({}, None)``: all direct (also when no slot frees up within 10 ms).
-        Chunks of half a slot (the other half is scattered meanwhile). Pull
-        (:meth:`pull`): one copy (D's scatter); ``regions``: each source rank's registered
-        regions, spans may then read over gaps of up to :meth:`CostModel.max_gap` bytes
-        inside one region. ``push`` (:mod:`kvbridge.connector.movers.push`): each chunk
-        written as one span, two copies (P's gather, D's scatter). ``link``: the pair's measured
-        costs in that direction (:meth:`CostModel.staged_wins`)."""
+        """Source ranks whose runs go through staging, in chunks of half a slot, and the
+        slot; ``({}, None)``: all direct (also when no slot frees up within 10 ms). Pulled
+        (:meth:`chunks`): spans may read over gaps inside each source rank's ``regions``;
+        ``push`` (:mod:`.push`): a chunk is one span, copied twice. ``link``: the pair's
+        measured costs that way."""
         out = {}
         for src, r in runs.items():
             if len(r) < MIN_RUNS or r.nbytes > MAX_AVG * len(r):
                 continue  # few or long runs: direct, without sorting them
             try:
-                if push:
-                    chs = chunks(r, self.pool.slot_bytes // 2)
-                else:
-                    chs = self.chunks(r, (regions or {}).get(src), link)
+                gaps = None if push else (regions or {}).get(src)  # pushed: no gap joins
+                chs = self.chunks(r, gaps, None if push else link)
             except TransportError:  # a run longer than the chunk
                 continue
             spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
-            extra = 0 if push else sum(c.staged_bytes for c in chs) - r.nbytes  # gaps
+            extra = sum(c.staged_bytes for c in chs) - r.nbytes  # gaps read over
             shape = self.costs.shape(chs, push)
-            copies = 2 if push else 1
             if self.costs.staged_wins(
-                len(r), spans, r.nbytes, len(chs), copies, shape, extra, link, int(push)
+                len(r), spans, r.nbytes, len(chs), 1 + push, shape, extra, link, push
             ):
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None
@@ -300,8 +272,8 @@ class Stager:
     def chunks(
         self, runs: Runs, regions: Regions | None = None, link: Link | None = None
     ) -> list[Chunk]:
-        """``runs`` in rounds for :meth:`pull`: each fits half a slot (the other half is
-        being scattered meanwhile); spans read over gaps inside ``regions`` if given."""
+        """``runs`` in rounds of half a slot for :meth:`pull` (spans read over gaps inside
+        ``regions`` if given)."""
         gap = self.costs.max_gap(link) if regions is not None else 0
         return chunks(runs, self.pool.slot_bytes // 2, gap, regions)
 
@@ -315,10 +287,9 @@ class Stager:
         live: list[XferHandle],
     ) -> tuple[int, int]:
         """READ each chunk's spans into one half of ``slot`` while the chunk before is
-        scattered from the other half; ``(descriptors posted, runs moved)``. A READ
-        still running at ``deadline`` (monotonic), or when anything fails, is appended to
-        ``live`` and the slot is then not given back: the caller gives it back
-        (:meth:`StagingPool.give_back`) once those READs ended."""
+        scattered from the other half → ``(descriptors posted, runs moved)``. READs
+        still running at ``deadline`` (monotonic) or a failure go to ``live``, and the
+        slot is then the caller's to give back once they ended."""
         base = self.pool.region.addr + slot * self.pool.slot_bytes
         half = self.pool.slot_bytes // 2
         todo = [(src, ch) for src, chs in staged.items() for ch in chs]
@@ -351,22 +322,10 @@ class Stager:
         return counts[0], counts[1]
 
 
-def local_memory(regions: list[Region]) -> LocalMemory | DeviceMemory:
-    """Copies into and out of ``regions`` where they live: numpy for host memory, torch
-    kernels (on the GPU, on their own stream) for device memory."""
-    if all(r.kind is MemKind.HOST for r in regions):
-        return LocalMemory(regions)
-    return DeviceMemory(regions)
-
-
 def _read(transport: Transport, agent: str, ch: Chunk, at: int) -> XferHandle:
     """Post the READ of ``ch``'s spans to the slot area starting at address ``at``."""
-    return transport.read(
-        agent,
-        (ch.span_stage + np.int64(at)).view(np.uint64),
-        ch.span_src.view(np.uint64),
-        ch.span_len.view(np.uint64),
-    )
+    stage, src, n = (ch.span_stage + np.int64(at)), ch.span_src, ch.span_len
+    return transport.read(agent, stage.view(np.uint64), src.view(np.uint64), n.view(np.uint64))
 
 
 CopyShape = tuple[int | None, bool]
@@ -390,11 +349,3 @@ def _one(d_off: np.ndarray, s_off: np.ndarray, length: np.ndarray) -> CopyShape:
     views = progressions(d_off, s_off, size)
     uniform = bool((length == size).all())
     return views, views is None and uniform and gather_word(d_off, s_off, size) == size
-
-
-def _shape(shapes: list[CopyShape]) -> CopyShape:
-    """Several copies as one: views if all go strided (their sum), else a gather-scatter
-    of whole-run words only if every gathering one is."""
-    if all(v is not None for v, _ in shapes):
-        return sum(v for v, _ in shapes if v is not None), False
-    return None, all(w for v, w in shapes if v is None)

@@ -1,26 +1,17 @@
 """The fused Triton kernels behind :mod:`kvbridge.connector.movers.device_copies`: runs of
-``row`` words, a program per tile of runs. Two kinds: ``runs`` (an offset per run and
-side, :func:`copy`) and ``grid`` (a plan's :class:`~kvbridge.plan.runs.Grid`: per tile
-pattern run an offset, per tile a block id, per side a stride; the kernel makes each
-run's offsets, :func:`grid`).
+``row`` words, a program per tile of runs; ``runs`` (an offset per run and side,
+:func:`copy`) and ``grid`` (a plan's :class:`~kvbridge.plan.runs.Grid`, the kernel making
+each run's offsets, :func:`grid`).
 
-Each kind in two compiled forms of one body. The generic form takes ``row`` at run time:
-one compile per word type and pointer alignment, whatever the lengths. The fixed form has
-``row`` as a compile-time constant (measured 7–29 % faster on an H200: docs/gpu.md, "The
-copy kernel"), one compile per length, so it is kept for lengths a process copies again
-and again, and off the copy path:
-
-- a (kind, length, word type, device) seen in :data:`SPECIALISE_AFTER` copies of at least
-  :data:`SPECIALISE_MIN_WORDS` words each, with 16-B aligned pointers, is compiled in the
-  fixed form on a thread of its own (one compile at a time), at most
-  :data:`SPECIAL_KEYS` of them per process: the compile cache stays bounded;
-- a copy takes the fixed form once that compile ended and every pointer is 16-byte
-  aligned (what the compile assumed), the generic form otherwise;
-- a failing compile or launch turns the fixed form off for the process (logged once);
-  the generic form goes on. ``KVBRIDGE_TRITON_SPECIALISE=0``: the generic form only.
-
-A failure of a generic form itself (no Triton, no compiler) makes :func:`copy` and
-:func:`grid` return False for the rest of the process: torch's copies take over.
+Each kind has two compiled forms of one body (``docs/gpu.md``, "The copy kernel in two
+forms"): the generic form takes ``row`` at run time; the fixed form has it as a constant,
+compiled on a thread of its own for a (kind, length, word type, device) seen in
+:data:`SPECIALISE_AFTER` copies of at least :data:`SPECIALISE_MIN_WORDS` words with 16-B
+aligned pointers, at most :data:`SPECIAL_KEYS` per process, and taken once compiled where
+every pointer is 16-B aligned. A failing fixed form is off for the process (logged once;
+``KVBRIDGE_TRITON_SPECIALISE=0``: generic only); a failing generic form (no Triton, no
+compiler) makes :func:`copy` and :func:`grid` return False for good: torch's copies take
+over.
 """
 
 from __future__ import annotations
@@ -59,9 +50,8 @@ Key = tuple[str, int, torch.dtype, str]
 
 @dataclass(slots=True)
 class Kernels:
-    """The kernels' state in this process: ``forms`` (per kind of copy, its generic and
-    fixed form) built on first use; ``failed`` once a generic form would not build or
-    launch. ``seen``: calls per key not yet fixed; ``ready``: keys whose fixed form
+    """The kernels' state in this process: ``forms`` (per kind, generic and fixed) built
+    on first use; ``seen``: calls per key not yet fixed; ``ready``: keys whose fixed form
     compiled (with the compile's seconds); ``launches``: copies per form."""
 
     forms: dict[str, tuple[Any, Any]] | None = None
@@ -115,8 +105,10 @@ def _run(
     if st.failed:
         return False
     try:
-        if st.forms is None:
-            st.forms = _build()
+        if st.forms is None:  # imported on first use: a host-only process never pays it
+            from kvbridge.connector.movers import triton_kernels
+
+            st.forms = dict(triton_kernels.FORMS)
         _launch(st, kind, args, row, n, ptrs)
     except Exception as exc:  # any Triton failure: no kernel ran, torch copies instead
         st.failed = True
@@ -133,9 +125,12 @@ def _launch(
     dw = ptrs[0]
     grid_, runs, block = tiles(row, n)
     key: Key = (kind, row, dw.dtype, str(dw.device))
+    # every pointer 16-B aligned: what a fixed form is compiled for (else it would compile
+    # again, on the copy's path)
+    aligned = all(t.data_ptr() % 16 == 0 for t in ptrs)
     on = torch.cuda.device(dw.device) if dw.is_cuda else contextlib.nullcontext()
     with on:  # launch in the memory's context
-        if key in st.ready and not st.fixed_failed and _aligned16(*ptrs):
+        if key in st.ready and not st.fixed_failed and aligned:
             try:
                 fixed[grid_](*args, ROW=row, RUNS=runs, BLOCK=block)
             except Exception as exc:  # nothing launched: the generic form copies
@@ -145,7 +140,7 @@ def _launch(
                 return
         generic[grid_](*args, row, RUNS=runs, BLOCK=block)
         st.launches["generic"] += 1
-    if n * row >= SPECIALISE_MIN_WORDS and _aligned16(*ptrs):  # worth a compile, usable
+    if n * row >= SPECIALISE_MIN_WORDS and aligned:  # worth a compile, usable
         try:
             _saw(st, key, runs, block)
         except Exception as exc:  # e.g. no thread at interpreter exit: the copy stands
@@ -158,12 +153,6 @@ def tiles(row: int, n: int) -> tuple[tuple[int], int, int]:
     block = min(TILE_WORDS, 1 << (row - 1).bit_length())
     runs = max(1, TILE_WORDS // block)
     return ((n + runs - 1) // runs,), runs, block
-
-
-def _aligned16(*tensors: torch.Tensor) -> bool:
-    """Every pointer a multiple of 16 B: what the fixed form was compiled for (a copy
-    with another alignment would compile again, on the copy's path)."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _saw(st: Kernels, key: Key, runs: int, block: int) -> None:
@@ -227,11 +216,3 @@ def _fixed_off(st: Kernels, exc: Exception) -> None:
             type(exc).__name__,
             exc,
         )
-
-
-def _build() -> dict[str, tuple[Any, Any]]:
-    """Each kind's (generic, fixed) forms, imported on first use: importing Triton costs
-    hundreds of milliseconds that a host-only process never pays."""
-    from kvbridge.connector.movers import triton_kernels
-
-    return dict(triton_kernels.FORMS)

@@ -1,27 +1,28 @@
-"""Local copies for device memory with torch kernels (on the CPU in tests): the device
-counterpart of :class:`kvbridge.connector.movers.copies.LocalMemory`, and the :class:`Span`
-(one ``uint8`` tensor over several regions) the kernel mover copies between.
+"""A rank's regions as one ``uint8`` tensor (:class:`Span`: what the kernel mover copies
+between) and :class:`LocalMemory`, the staged rounds' scatter and gather into them by
+absolute address, where the memory is (numpy on the host, torch kernels on a device).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from kvbridge.connector.movers.copies import by_length
+from kvbridge.connector.movers.copies import by_length, copy_equal
 from kvbridge.connector.movers.device_copies import rows_copy
 from kvbridge.errors import TransportError
-from kvbridge.layout.tensor import Region
-from kvbridge.transport.memory import byte_tensor, torch_device
+from kvbridge.layout.tensor import MemKind, Region
+from kvbridge.transport.memory import byte_tensor
 
-__all__ = ["DeviceMemory", "Span", "equal_runs"]
+__all__ = ["LocalMemory", "Span", "equal_runs"]
 
 STRIDE = 64
 """Runs per region guess in :meth:`Span._region_of`."""
-MIN_PIECE = 256
-"""Shortest piece :func:`equal_runs` cuts runs into (bytes)."""
-MAX_PIECES = 8
-"""At most this many pieces per run on average, else runs are grouped by length."""
+MIN_PIECE, MAX_PIECES = 256, 8
+""":func:`equal_runs` cuts runs into pieces of at least this many bytes, at most this
+many per run on average (else it groups them by length)."""
 
 
 class Span:
@@ -51,8 +52,7 @@ class Span:
         self, off: np.ndarray, length: np.ndarray, what: str, lengths: tuple[int, int]
     ) -> None:
         """Runs of a plan made over :attr:`bases` (tensor offsets; ``lengths``: the
-        shortest and longest of ``length``): a run outside the tensor is a
-        :class:`TransportError` before any byte moves (``docs/gpu.md``, kernel mover)."""
+        shortest and longest of ``length``): one outside the tensor is a TransportError."""
         if not off.shape[0]:
             return
         top = self.tensor.shape[0]
@@ -69,9 +69,8 @@ class Span:
         self, off: np.ndarray, ids: np.ndarray, stride: int, length: np.ndarray, what: str
     ) -> None:
         """:meth:`check` of a grid's runs (run ``(t, b)`` at ``off[t] + ids[b] ·
-        stride``, ``length[t]`` bytes) from the extremes of ``off`` and ``ids``: exact,
-        since every run of the grid exists; a run outside is named as :meth:`check` names
-        it (the grid expanded only then)."""
+        stride``, ``length[t]`` bytes) from the extremes of ``off`` and ``ids`` (exact:
+        every combination is a run); the grid is expanded only to name a run outside."""
         if not off.shape[0] or not ids.shape[0]:
             return
         a, b = int(ids.min()) * stride, int(ids.max()) * stride
@@ -88,7 +87,7 @@ class Span:
 
     def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
         """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not
-        inside one region is a :class:`TransportError` before any byte moves."""
+        inside one region is a TransportError."""
         addr = np.asarray(addr).astype(np.int64, copy=False)
         length = np.asarray(length).astype(np.int64, copy=False)  # 2⁶³ and up: negative
         idx, start, end = self._region_of(addr)
@@ -150,40 +149,39 @@ def equal_runs(
     return [(d_off[run] + step, s_off[run] + step, piece)]
 
 
-class DeviceMemory:
-    """Writable torch access to a rank's device ``regions``, addressed by absolute
-    address, with :meth:`scatter` and :meth:`gather` as :class:`LocalMemory` has; each
-    call returns once its copies completed (on a GPU: on this object's own stream)."""
+class LocalMemory:
+    """Writable access to a rank's ``regions`` (one memory) by absolute address, with
+    :meth:`scatter` and :meth:`gather`; every run is checked to lie inside one region
+    before any byte moves. Host memory copies with numpy (:func:`copy_equal`), device
+    memory with torch kernels (:func:`rows_copy`; on a GPU on this object's own stream,
+    each call returning once its copies completed)."""
 
     def __init__(self, regions: list[Region]):
         self.span = Span(regions)
-        self.on = torch_device(regions[0].kind, regions[0].device)
-        self.stream = torch.cuda.Stream(device=self.on) if self.on.type == "cuda" else None
+        self.host = regions[0].kind is MemKind.HOST
+        on = self.span.tensor.device
+        self.stream = torch.cuda.Stream(device=on) if on.type == "cuda" else None
+        self._mem: Any = self.span.tensor.numpy() if self.host else self.span.tensor
 
-    def scatter(
-        self, dst: np.ndarray, src: torch.Tensor, src_off: np.ndarray, length: np.ndarray
-    ) -> None:
-        """Copy ``src[src_off[i] : + length[i]]`` (a byte tensor, e.g. a staging slot) to
-        absolute address ``dst[i]`` (each inside one region, checked)."""
+    def scatter(self, dst: np.ndarray, src: Any, src_off: np.ndarray, length: np.ndarray) -> None:
+        """Copy ``src[src_off[i] : + length[i]]`` (a slot's bytes: a numpy array on the
+        host, else a byte tensor) to absolute address ``dst[i]``."""
         d_off = self.span.offsets(dst, length, "scatter destination")
-        self._copy(self.span.tensor, d_off, src, src_off.astype(np.int64, copy=False), length)
+        self._copy(self._mem, d_off, src, src_off, length)
 
-    def gather(
-        self, src: np.ndarray, dst: torch.Tensor, dst_off: np.ndarray, length: np.ndarray
-    ) -> None:
-        """Copy absolute address ``src[i]`` (``length[i]`` bytes, inside one region,
-        checked) to ``dst[dst_off[i] : + length[i]]``: :meth:`scatter` reversed."""
+    def gather(self, src: np.ndarray, dst: Any, dst_off: np.ndarray, length: np.ndarray) -> None:
+        """Copy absolute address ``src[i]`` to ``dst[dst_off[i] : + length[i]]``:
+        :meth:`scatter` reversed."""
         s_off = self.span.offsets(src, length, "gather source")
-        self._copy(dst, dst_off.astype(np.int64, copy=False), self.span.tensor, s_off, length)
+        self._copy(dst, dst_off, self._mem, s_off, length)
 
-    def _copy(
-        self,
-        dst: torch.Tensor,
-        d_off: np.ndarray,
-        src: torch.Tensor,
-        s_off: np.ndarray,
-        length: np.ndarray,
-    ) -> None:
+    def _copy(self, dst: Any, d_off: np.ndarray, src: Any, s_off: np.ndarray, length: Any) -> None:
+        d_off, s_off = d_off.astype(np.int64, copy=False), s_off.astype(np.int64, copy=False)
+        length = length.astype(np.int64, copy=False)
+        if self.host:
+            for k, size in by_length(length):
+                copy_equal(dst, d_off[k], src, s_off[k], size)
+            return
         try:
             for d, s, size in equal_runs(d_off, s_off, length):
                 rows_copy(dst, d, src, s, size, stream=self.stream)
