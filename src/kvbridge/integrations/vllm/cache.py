@@ -37,7 +37,13 @@ from kvbridge.api import (
     tensor_views,
 )
 from kvbridge.integrations.vllm.gpu_layout import storage_regions
-from kvbridge.integrations.vllm.stages import STATE_SPEC, pp_stages, whole_groups, whole_model
+from kvbridge.integrations.vllm.stages import (
+    KINDS,
+    pp_stages,
+    spec_kind,
+    whole_groups,
+    whole_model,
+)
 from kvbridge.integrations.vllm.state import (
     conv_dim_first,
     state_descs,
@@ -141,19 +147,18 @@ def _layers_and_groups(
     layers: dict[int, Layer] = {}
     groups, state_blocks = [], {}
     for g, group in enumerate(vllm_groups):
-        cs, idx = group.kv_cache_spec, []
-        for name in group.layer_names:
-            i, ls = layer_index(name), _layer_spec(group, name)
-            if type(ls).__name__ == STATE_SPEC:
+        idx = [layer_index(name) for name in group.layer_names]
+        for i, name in zip(idx, group.layer_names, strict=True):
+            ls = _layer_spec(group, name)
+            kind = spec_kind(ls, f"layer {i}")
+            if kind is Kind.STATE:
                 layers[i] = state_layer(i, ls, tp, dim_first)
             else:
-                layers[i] = _layer(i, ls, kv_heads)
-            idx.append(i)
-        if type(cs).__name__ == STATE_SPEC:
+                layers[i] = _layer(i, kind, ls, kv_heads)
+        cs = group.kv_cache_spec
+        if KINDS.get(type(cs).__name__) is Kind.STATE:  # else attention, or per layer
             state_blocks[g] = cs.block_size
-            groups.append(Group(f"g{g}", tuple(idx), 1))
-        else:
-            groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
+        groups.append(Group(f"g{g}", tuple(idx), 1 if g in state_blocks else cs.block_size))
     return layers, groups, state_blocks
 
 
@@ -180,25 +185,18 @@ def _refuse_unplanned(par_cfg: Any, kv_cache_config: Any) -> None:
         )
 
 
-def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
-    kind_name = type(cs).__name__
+def _layer(index: int, kind: Kind, cs: Any, kv_heads: int) -> Layer:
+    """An attention or MLA layer of vLLM spec ``cs`` (of ``kind``: :func:`spec_kind`)."""
     dtype = parse_dtype(str(cs.dtype))
-    if kind_name == "MLAAttentionSpec":
+    if kind is Kind.MLA:
         # one latent per token (``head_size`` elements: compressed KV | rope key), the
         # same on every TP rank
         return mla(index, cs.head_size, dtype)
-    if kind_name in ("FullAttentionSpec", "SlidingWindowSpec"):
-        # vLLM's window counts the token being computed: D, which recomputes the last
-        # prompt token, needs the ``window - 1`` tokens before it.
-        sliding = kind_name == "SlidingWindowSpec"
-        kind, window = (Kind.SLIDING, cs.sliding_window) if sliding else (Kind.FULL, 0)
-        head = cs.head_size
-        return attention(index, kv_heads, head, dtype, kind, window, v_head_dim=cs.head_size_v)
-    if kind_name == "ChunkedLocalAttentionSpec":
-        return attention(
-            index, kv_heads, cs.head_size, dtype, Kind.CHUNKED, chunk=cs.attention_chunk_size
-        )
-    raise ConfigError(f"layer {index}: vLLM cache kind {kind_name} is not supported yet")
+    # vLLM's window counts the token being computed: D, which recomputes the last prompt
+    # token, needs the ``window - 1`` tokens before it.
+    window = cs.sliding_window if kind is Kind.SLIDING else 0
+    chunk = cs.attention_chunk_size if kind is Kind.CHUNKED else 0
+    return attention(index, kv_heads, cs.head_size, dtype, kind, window, chunk, cs.head_size_v)
 
 
 def cpu_layout(

@@ -28,17 +28,15 @@ from typing import Any
 
 from kvbridge.api import ConfigError, Group, Kind, Layer, from_hf_config
 
-STATE_SPEC = "MambaSpec"
-"""vLLM's spec class of state (Mamba-2, Gated DeltaNet) layers."""
-
-_KINDS = {
+KINDS = {
     "FullAttentionSpec": Kind.FULL,
     "MLAAttentionSpec": Kind.MLA,
     "SlidingWindowSpec": Kind.SLIDING,
     "ChunkedLocalAttentionSpec": Kind.CHUNKED,
-    STATE_SPEC: Kind.STATE,
+    "MambaSpec": Kind.STATE,  # Mamba-2, Gated DeltaNet
 }
-"""The kind of each vLLM spec class a layer of another stage may take."""
+"""The kind of each vLLM spec class the connector describes (a layer's, and under PP a
+layer's of another stage)."""
 
 
 def pp_stages(vllm_config: Any) -> tuple[tuple[int, int], ...]:
@@ -142,11 +140,11 @@ def model_kinds(vllm_config: Any, n: int) -> list[Kind | None]:
 
 def spec_kind(spec: Any, where: str) -> Kind:
     """The kind of a vLLM layer spec (several KV shapes in one group: refused)."""
-    kind = _KINDS.get(type(spec).__name__)
+    kind = KINDS.get(type(spec).__name__)
     if kind is None:
         raise ConfigError(
-            f"{where}: vLLM cache kind {type(spec).__name__} under PP with several KV cache "
-            f"groups is not supported (supported: {', '.join(_KINDS)})"
+            f"{where}: vLLM cache kind {type(spec).__name__} is not supported (supported: "
+            f"{', '.join(KINDS)})"
         )
     return kind
 

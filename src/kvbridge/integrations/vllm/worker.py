@@ -8,10 +8,8 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
 
 import numpy as np
 
@@ -31,7 +29,7 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import Placement, kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
-from kvbridge.integrations.vllm.park import Park, region_tensors
+from kvbridge.integrations.vllm.park import Park
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +83,10 @@ class WorkerSide:
         self._transports.append(t)
         return t
 
-    def register(self, placed: Placement, kv_caches: Mapping[str, Any] | None = None) -> None:
+    def register(self, placed: Placement) -> None:
         """Register this rank's KV memory, described once
-        (:func:`~kvbridge.integrations.vllm.placement.place`), with P's and
-        D's halves as the role asks (P with ``park_blocks``: its park too, beside
-        ``kv_caches``, the tensors ``placed`` describes)."""
+        (:func:`~kvbridge.integrations.vllm.placement.place`), with P's and D's halves as
+        the role asks (P with ``park_blocks``: its park too)."""
         self.splits = placed.splits
         if self.cfg.producer:
             self.producer = ProducerWorker(
@@ -100,9 +97,8 @@ class WorkerSide:
                 memory=placed.memory,
                 device=placed.device,
             )
-            if self.cfg.park_blocks and kv_caches is not None:
-                storages = region_tensors(kv_caches, placed.bases)
-                self.park = Park(placed, storages, self.cfg.park_blocks)
+            if self.cfg.park_blocks:
+                self.park = Park(placed, self.cfg.park_blocks)
                 self.park_producer = ProducerWorker(
                     self.rank,
                     self.park.layout,
