@@ -1,10 +1,8 @@
-"""vLLM's KV cache as kvbridge sees it: a :class:`ModelSpec` from the cache groups and a
-:class:`RankLayout` over vLLM's CPU attention tensors, described in place (docs/vllm.md,
-"vLLM's CPU cache, as measured": K transposed per block, described ``BHDT``, V ``BHTD``;
-the regions are the storages, which layers of several groups alias, so every group
-shares one pool of ids). Mamba-2 and Gated DeltaNet layers are state groups of one slot
-per request (:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables` picks
-that slot on P and on D.
+"""vLLM's KV cache as kvbridge sees it: a :class:`ModelSpec` from the cache groups (the
+tensors are described by :mod:`~kvbridge.integrations.vllm.gpu_layout`). Mamba-2 and
+Gated DeltaNet layers are state groups of one slot per request
+(:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables` picks that slot on
+P and on D.
 
 Pipeline parallelism: a PP stage's worker (and the scheduler, whose ``KVCacheConfig`` is
 stage 0's) sees only its own layers; the spec is the whole model's all the same
@@ -14,7 +12,6 @@ the same spec. ``layer_names`` and ``kv_specs`` name the process's own layers on
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,31 +23,13 @@ from kvbridge.api import (
     Layer,
     ModelSpec,
     Parallel,
-    RankLayout,
     Tables,
-    TensorDesc,
-    View,
     attention,
     mla,
     parse_dtype,
-    shard_interval,
-    tensor_views,
 )
-from kvbridge.integrations.vllm.gpu_layout import storage_regions
-from kvbridge.integrations.vllm.stages import (
-    KINDS,
-    pp_stages,
-    spec_kind,
-    whole_groups,
-    whole_model,
-)
-from kvbridge.integrations.vllm.state import (
-    conv_dim_first,
-    state_descs,
-    state_layer,
-    state_shapes,
-    state_views,
-)
+from kvbridge.integrations.vllm.stages import KINDS, pp_stages, spec_kind, whole_groups, whole_model
+from kvbridge.integrations.vllm.state import conv_dim_first, state_layer
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -197,58 +176,6 @@ def _layer(index: int, kind: Kind, cs: Any, kv_heads: int) -> Layer:
     window = cs.sliding_window if kind is Kind.SLIDING else 0
     chunk = cs.attention_chunk_size if kind is Kind.CHUNKED else 0
     return attention(index, kv_heads, cs.head_size, dtype, kind, window, chunk, cs.head_size_v)
-
-
-def cpu_layout(
-    cache: VllmCache, tp_rank: int, kv_caches: Mapping[str, Any]
-) -> tuple[RankLayout, list[int]]:
-    """The layout of vLLM's CPU attention tensors on ``tp_rank``; returns it and region bases."""
-    regions = storage_regions(kv_caches)
-    views: list[View] = []
-    spec = cache.spec
-    for name, t in kv_caches.items():
-        i = cache.layer_names.get(name)
-        if i is None:
-            raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
-        if spec.layers[i].kind is Kind.STATE:
-            shapes, dtypes = state_shapes(cache.kv_specs[name])
-            descs = state_descs(name, t, shapes, dtypes, cache.conv_dim_first)
-            views += state_views(spec.layers[i], name, descs, cache.par.tp, tp_rank, regions)
-            continue
-        seg = spec.layers[i].streams[0].segments[0]
-        heads = shard_interval(seg.units, cache.par.tp, tp_rank)
-        k, v = _cpu_attn_descs(name, t)
-        views += tensor_views(i, k, ("k",), heads, regions)
-        views += tensor_views(i, v, ("v",), heads, regions)
-    # a group none of whose layers this PP stage holds: vLLM's pool, never addressed here
-    num_blocks = tuple(
-        min((v.blocks for v in views if spec.group_of(v.layer) == g), default=cache.num_blocks)
-        for g in range(len(spec.groups))
-    )
-    layout = RankLayout(
-        regions.sizes,
-        tuple(views),
-        tuple(g.block_size for g in spec.groups),
-        num_blocks,
-        (0,) * len(spec.groups),
-    )
-    return layout, list(regions.bases)
-
-
-def _cpu_attn_descs(name: str, t: Any) -> tuple[TensorDesc, TensorDesc]:
-    """K ``[blocks, heads, head, block]`` and V ``[blocks, heads, block, head]`` of one layer."""
-    if t.dim() != 4:
-        raise ConfigError(f"{name}: CPU attention cache of shape {tuple(t.shape)}, expected 4-D")
-    nb, heads, bs, two_hd = t.shape
-    s0, s1, s2, s3 = t.stride()
-    hd = two_hd // 2
-    if s3 != 1 or s2 != two_hd or s1 != bs * two_hd:
-        raise ConfigError(f"{name}: strides {t.stride()} are not vLLM's CPU cache layout")
-    item = t.element_size()
-    k = TensorDesc(t.data_ptr(), (nb, heads, hd, bs), (s0, s1, bs, 1), item, "BHDT")
-    v_addr = t.data_ptr() + bs * hd * item
-    v = TensorDesc(v_addr, (nb, heads, bs, hd), (s0, s1, hd, 1), item, "BHTD")
-    return k, v
 
 
 CPU_KERNELS = ("vec", "vec16")

@@ -1,7 +1,9 @@
-"""vLLM's GPU KV caches described in place, from the logical ``[B, H, N, C]`` view of
-each layer vLLM itself makes (docs/vllm.md, "vLLM's GPU cache, as described"). Strides
-are read from the tensor; a layout name, when given, only cross-checks their order.
-Nothing is copied."""
+"""vLLM's KV caches described in place: on a GPU (or any backend but ``CPU_ATTN``), from
+the logical ``[B, H, N, C]`` view of each layer vLLM itself makes (docs/vllm.md, "vLLM's
+GPU cache, as described"); strides are read from the tensor, a layout name, when given,
+only cross-checks their order. vLLM's CPU attention cache (``cpu_attn``) is K transposed
+per block (docs/vllm.md, "vLLM's CPU cache, as measured": K described ``BHDT``, V
+``BHTD``), its state tensors as vLLM hands them over. Nothing is copied."""
 
 from __future__ import annotations
 
@@ -123,6 +125,23 @@ def attention_descs(name: str, t: Any, spec: Any, layout: str | None = None) -> 
     return GpuDescs((k, v), (("k",), ("v",)), rows, split)
 
 
+def cpu_attn_descs(name: str, t: Any) -> GpuDescs:
+    """K ``[blocks, heads, head, block]`` and V ``[blocks, heads, block, head]`` of one
+    layer of vLLM's CPU attention cache."""
+    if t.dim() != 4:
+        raise ConfigError(f"{name}: CPU attention cache of shape {tuple(t.shape)}, expected 4-D")
+    nb, heads, bs, two_hd = t.shape
+    s0, s1, s2, s3 = t.stride()
+    hd = two_hd // 2
+    if s3 != 1 or s2 != two_hd or s1 != bs * two_hd:
+        raise ConfigError(f"{name}: strides {t.stride()} are not vLLM's CPU cache layout")
+    item = t.element_size()
+    k = TensorDesc(t.data_ptr(), (nb, heads, hd, bs), (s0, s1, bs, 1), item, "BHDT")
+    v_addr = t.data_ptr() + bs * hd * item
+    v = TensorDesc(v_addr, (nb, heads, bs, hd), (s0, s1, hd, 1), item, "BHTD")
+    return GpuDescs((k, v), (("k",), ("v",)), bs)
+
+
 def state_gpu_descs(
     name: str, t: Any, spec: Any, dim_first: bool, layout: str | None = None
 ) -> GpuDescs:
@@ -155,13 +174,17 @@ def gpu_views(
     regions: RegionSet,
     layout: str | None = None,
     dim_first: bool = False,
+    cpu_attn: bool = False,
 ) -> tuple[list[View], GpuDescs]:
     """kvbridge views of one vLLM layer cache ``t`` (``kv_spec``: its vLLM spec) on
     ``tp_rank``, checked against the kvbridge ``layer``; and the descriptions."""
     if layer.kind is Kind.STATE:
-        d = state_gpu_descs(name, t, kv_spec, dim_first, layout)
+        if cpu_attn:  # conv and SSM tensors, or a page buffer, as vLLM's CPU worker has them
+            d = GpuDescs(tuple(state_descs(name, t, *state_shapes(kv_spec), dim_first)), (), 1)
+        else:
+            d = state_gpu_descs(name, t, kv_spec, dim_first, layout)
         return state_views(layer, name, list(d.descs), par.tp, tp_rank, regions), d
-    d = attention_descs(name, t, kv_spec, layout)
+    d = cpu_attn_descs(name, t) if cpu_attn else attention_descs(name, t, kv_spec, layout)
     by_name = {s.name: s for s in layer.streams}
     views: list[View] = []
     for desc, names in zip(d.descs, d.streams, strict=True):
@@ -213,6 +236,7 @@ def gpu_rank_layout(
     dim_first: bool = False,
     memory: MemKind = MemKind.HOST,
     pool: int = 0,
+    cpu_attn: bool = False,
 ) -> Placement:
     """The :class:`RankLayout` of ``kv_caches`` (vLLM layer name → its view, as
     ``register_kv_caches`` gets them; ``kv_specs``: name → vLLM spec; ``layer_names``: name
@@ -221,7 +245,8 @@ def gpu_rank_layout(
     blocks: :attr:`Placement.spec` says so, and :func:`kernel_tables` maps block ids. Groups
     of one split share one pool of block ids, as vLLM's groups do. ``pool``: vLLM's blocks
     (``KVCacheConfig.num_blocks``), what a group none of whose layers this PP stage holds
-    is described with (0: such a group refused)."""
+    is described with (0: such a group refused). ``cpu_attn``: the caches of vLLM's CPU
+    attention backend (:func:`cpu_attn_descs`)."""
     regions = storage_regions(kv_caches, memory)
     views: list[View] = []
     blocks: dict[int, tuple[int, int]] = {}
@@ -230,7 +255,8 @@ def gpu_rank_layout(
             raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
         i = layer_names[name]
         lay = spec.layers[i]
-        vs, d = gpu_views(lay, name, t, kv_specs[name], par, tp_rank, regions, layout, dim_first)
+        args = (kv_specs[name], par, tp_rank, regions, layout, dim_first, cpu_attn)
+        vs, d = gpu_views(lay, name, t, *args)
         g = spec.group_of(i)
         if blocks.setdefault(g, (d.block_size, d.split)) != (d.block_size, d.split):
             raise ConfigError(f"{name}: blocks of {d.block_size} ×{d.split}, group: {blocks[g]}")
