@@ -88,8 +88,7 @@ def placement(vc: Any, cache: Any, rank: int, caches: dict[str, torch.Tensor]) -
 
     if next(iter(caches.values())).is_cuda:
         return place(vc, cache, rank, caches)
-    args = (cache.spec, cache.par, rank, caches, cache.kv_specs, cache.layer_names)
-    return gpu_rank_layout(*args, layout_name(vc), cache.conv_dim_first, MemKind.DEVICE)
+    return gpu_rank_layout(cache, rank, caches, layout_name(vc), MemKind.DEVICE)
 
 
 def engine(case: Case, side: SideCfg, device: torch.device, seed: int) -> Engine:

@@ -125,8 +125,7 @@ def test_state_slot_follows_vllms_rule() -> None:
 
 def cpu_layout(cache: VllmCache, rank: int, caches: dict[str, Any]) -> Any:
     """The description ``place`` gives vLLM's CPU attention backend's caches."""
-    args = (cache.kv_specs, cache.layer_names, None, cache.conv_dim_first)
-    return gpu_rank_layout(cache.spec, cache.par, rank, caches, *args, cpu_attn=True)
+    return gpu_rank_layout(cache, rank, caches, cpu_attn=True)
 
 
 class Rank:

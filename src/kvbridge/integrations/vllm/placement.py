@@ -34,19 +34,8 @@ def place(
     if cpu_attn:
         check_cpu_kernel(vllm_config, cache)
     emulated = envs.device_on_cpu() and not torch.cuda.is_available() and not cpu_attn
-    return gpu_rank_layout(
-        cache.spec,
-        cache.par,
-        tp_rank,
-        kv_caches,
-        cache.kv_specs,
-        cache.layer_names,
-        layout_name(vllm_config),
-        cache.conv_dim_first,
-        MemKind.DEVICE if cuda or emulated else MemKind.HOST,
-        cache.num_blocks,
-        cpu_attn,
-    )
+    memory = MemKind.DEVICE if cuda or emulated else MemKind.HOST
+    return gpu_rank_layout(cache, tp_rank, kv_caches, layout_name(vllm_config), memory, cpu_attn)
 
 
 def attention_backends(vllm_config: Any, names: Iterable[str]) -> frozenset[str]:

@@ -22,7 +22,7 @@ must give exactly the groups vLLM gave the stage, or the connector refuses."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -63,9 +63,7 @@ def whole_model(
     pp = len(stages)
     assert len(groups) == 1, "several groups: whole_groups"
     idx = sorted(held)
-    stage = next((s for s, (a, b) in enumerate(stages) if idx == list(range(a, b))), None)
-    if stage is None:
-        raise ConfigError(_no_stage(idx, stages))
+    stage = _own_stage(idx, stages, lambda i: True)
     first = held[idx[0]]
     if first.kind is Kind.STATE:
         raise ConfigError(
@@ -96,7 +94,7 @@ def whole_groups(
     held = kv_cache_config.kv_cache_groups
     own = {index(n): (n, g.kv_cache_spec) for g in held for n in g.layer_names}
     kinds = model_kinds(vllm_config, stages[-1][1])
-    stage = _own_stage(sorted(own), kinds, stages)
+    stage = _own_stage(sorted(own), stages, lambda i: kinds[i] is not None)
     by_kind = _spec_of_kind(held)
     merged: dict[str, Any] = {}
     for i, kind in enumerate(kinds):
@@ -150,17 +148,13 @@ def spec_kind(spec: Any, where: str) -> Kind:
 
 
 def _own_stage(
-    idx: list[int], kinds: list[Kind | None], stages: tuple[tuple[int, int], ...]
+    idx: list[int], stages: tuple[tuple[int, int], ...], caching: Callable[[int], bool]
 ) -> int:
-    """The stage whose caching layers (by the model's pattern) are exactly ``idx``."""
+    """The stage whose ``caching`` layers are exactly ``idx`` (sorted)."""
     for s, (a, b) in enumerate(stages):
-        if idx == [i for i in range(a, b) if kinds[i] is not None]:
+        if idx == [i for i in range(a, b) if caching(i)]:
             return s
-    got = f"{idx[0]}..{idx[-1]} ({len(idx)} layers)" if idx else "none"
-    raise ConfigError(
-        f"this PP stage holds KV layers {got}, which are no stage's caching layers of "
-        f"vLLM's partition {list(stages)} by the model's layer pattern"
-    )
+    raise ConfigError(_no_stage(idx, stages, caching))
 
 
 def _spec_of_kind(held: list[Any]) -> dict[Kind, Any]:
@@ -211,9 +205,11 @@ def _check_projection(groups: list[Any], held: list[Any], own: set[str]) -> None
             )
 
 
-def _no_stage(idx: list[int], stages: tuple[tuple[int, int], ...]) -> str:
-    """Why a PP stage's KV layers ``idx`` (sorted) are no stage's range of ``stages``:
-    what they are beside the stage they overlap most, and the likely cause."""
+def _no_stage(
+    idx: list[int], stages: tuple[tuple[int, int], ...], caching: Callable[[int], bool]
+) -> str:
+    """Why a PP stage's KV layers ``idx`` (sorted) are no stage's ``caching`` layers of
+    ``stages``: what they are beside the stage they overlap most, and the likely cause."""
     got = f"{_ranges(idx)} ({len(idx)} layers)" if idx else "none"
     out = f"this PP stage holds KV layers {got}, which are no stage's layers of vLLM's "
     out += f"partition {list(stages)}"
@@ -221,7 +217,7 @@ def _no_stage(idx: list[int], stages: tuple[tuple[int, int], ...]) -> str:
     n, held = stages[-1][1], set(idx)
     past = [i for i in idx if i >= n]
     other = [i for i in idx if i < n and not a <= i < b]
-    lacks = [i for i in range(a, b) if i not in held]
+    lacks = [i for i in range(a, b) if i not in held and caching(i)]
     if past:
         out += (
             f"; layers {_ranges(past)} lie past the model's {n} layers: likely MTP or "
