@@ -191,7 +191,7 @@ def parked(p: Engine, blocks: tuple[list[int], ...]) -> tuple[list[Any], list[li
     parks = []
     for pl in p.placed:
         parks.append(Park(pl, NB))
-        parks[-1].copy(list(blocks), slots)
+        parks[-1].copy([("r", list(blocks), slots)])
         for raw in parks[-1].src:  # the blocks vLLM freed, written by other requests
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8).to(raw.device))
     return parks, slots

@@ -45,7 +45,7 @@ def check_copy(placed: Placement, src: list, dst: list) -> None:
     park = Park(placed, PARK)
     for d in park.dst:
         d.fill_(0xAB)
-    park.copy(src, dst)
+    park.copy([("r", src, dst)])
     assert len(park.layout.views) == len(placed.layout.views)
     for v, pv in zip(placed.layout.views, park.layout.views, strict=True):
         g = placed.spec.group_of(v.layer)
@@ -150,7 +150,7 @@ def test_a_wrong_park_fails_the_check(layout: str, monkeypatch: pytest.MonkeyPat
     with pytest.raises(AssertionError):
         check_copy(placed, SRC, DST)
     monkeypatch.undo()
-    monkeypatch.setattr(Park, "copy", lambda self, src, dst: None)
+    monkeypatch.setattr(Park, "copy", lambda self, orders: None)
     with pytest.raises(AssertionError):
         check_copy(placed, SRC, DST)
 

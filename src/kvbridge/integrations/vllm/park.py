@@ -152,14 +152,16 @@ class Park:
         ]
         self.bases = [d.data_ptr() for d in self.dst]
 
-    def copy(self, src: Ids, dst: Ids) -> None:
-        """Copy vLLM blocks ``src[g][i]`` into park blocks ``dst[g][i]``, every group (null
-        entries skipped), on the device's current stream (after the step's KV writes
-        queued before): a block's bytes in each plane of its slab are one run of
+    def copy(self, orders: Sequence[tuple[str, Ids, Ids]]) -> None:
+        """Copy each order's vLLM blocks ``[1][g][i]`` into park blocks ``[2][g][i]`` (a
+        step's ``StepMeta.parks``), every group (null entries skipped), on the device's
+        current stream (after the step's KV writes queued before): a block's bytes in each
+        plane of its slab are one run of
         :func:`~kvbridge.connector.movers.device_copies.rows_copy`."""
         for s, a, b in zip(self.slabs, self.src, self.dst, strict=True):
             si, di = (
-                np.concatenate([np.asarray(x[g], np.int64) for g in s.groups]) for x in (src, dst)
+                np.concatenate([np.asarray(o[k][g], np.int64) for o in orders for g in s.groups])
+                for k in (1, 2)
             )
             live = si != 0  # null entries: nothing to copy
             plane = np.arange(s.planes, dtype=np.int64)[:, None] * s.stride

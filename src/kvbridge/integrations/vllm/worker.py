@@ -11,8 +11,6 @@ from collections import Counter
 from concurrent.futures import Future
 from functools import partial
 
-import numpy as np
-
 from kvbridge.adapter import Loading, LoadJob, Tally, decode_handle, increase
 from kvbridge.adapter.metrics import Sample
 from kvbridge.api import (
@@ -98,11 +96,11 @@ class WorkerSide:
                 device=placed.device,
             )
             if self.cfg.park_blocks:
-                self.park = Park(placed, self.cfg.park_blocks)
+                self.park = park = Park(placed, self.cfg.park_blocks)
                 self.park_producer = ProducerWorker(
                     self.rank,
-                    self.park.layout,
-                    self.park.bases,
+                    park.layout,
+                    park.bases,
                     self._transport("park"),
                     memory=placed.memory,
                     device=placed.device,
@@ -130,11 +128,7 @@ class WorkerSide:
         queued on the current stream), so that no handle of the step leaves before them;
         a step without a request prefilled for remote decode (``meta.save``) does not wait."""
         if self.park is not None and meta.parks:  # queued after the step's KV writes
-            src, dst = (
-                [np.concatenate(t) for t in zip(*(o[k] for o in meta.parks), strict=True)]
-                for k in (1, 2)
-            )
-            self.park.copy(src, dst)
+            self.park.copy(meta.parks)
         if self.producer is not None and (meta.save or meta.parks):
             self.producer.written()
 
