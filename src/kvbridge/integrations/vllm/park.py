@@ -28,10 +28,11 @@ from kvbridge.connector.movers.device_copies import rows_copy
 from kvbridge.integrations.vllm.gpu_layout import Placement
 from kvbridge.transport.memory import byte_tensor
 
-BlockIds = list[list[int]]
-"""vLLM block ids, one list per KV cache group."""
 Ids = Sequence[Sequence[int] | np.ndarray]
-"""vLLM block ids per KV cache group, as lists or arrays."""
+"""Block ids per KV cache group, as lists or arrays."""
+Order = tuple[str, Ids, Ids]
+"""``(request id, vLLM blocks, park slots)``: copy each block to its slot, per group (a
+block without a slot is null)."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class Park:
         ]
         self.bases = [d.data_ptr() for d in self.dst]
 
-    def copy(self, orders: Sequence[tuple[str, Ids, Ids]]) -> None:
+    def copy(self, orders: Sequence[Order]) -> None:
         """Copy each order's vLLM blocks ``[1][g][i]`` into park blocks ``[2][g][i]`` (a
         step's ``StepMeta.parks``), every group (null entries skipped), on the device's
         current stream (after the step's KV writes queued before): a block's bytes in each

@@ -34,7 +34,8 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
 from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
-from kvbridge.integrations.vllm.park_book import Keep, Order, ParkBook
+from kvbridge.integrations.vllm.park import Order
+from kvbridge.integrations.vllm.park_book import Keep, ParkBook
 
 log = logging.getLogger(__name__)
 

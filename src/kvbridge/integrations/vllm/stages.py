@@ -100,9 +100,18 @@ def whole_groups(
     for i, kind in enumerate(kinds):
         if i in own:
             name, spec = own[i]
-            _check_kind(i, spec_kind(spec, name), kind)
+            if spec_kind(spec, name) is not kind:
+                raise ConfigError(
+                    f"layer {i}: vLLM caches it as {spec_kind(spec, name)}, the model's "
+                    f"config makes it {kind}"
+                )
+        elif kind in by_kind:
+            name, spec = f"model.layers.{i}.pp", by_kind[kind]
         elif kind is not None:
-            name, spec = f"model.layers.{i}.pp", _spec_for(i, kind, by_kind)
+            raise ConfigError(
+                f"the model's config makes layer {i} a {kind} layer, but vLLM's KV cache "
+                f"groups have kinds {', '.join(map(str, by_kind))}"
+            )
         else:
             continue
         merged[name] = spec
@@ -170,22 +179,6 @@ def _spec_of_kind(held: list[Any]) -> dict[Kind, Any]:
                 f"specs ({out[kind]} and {spec}); a layer of another stage could be either"
             )
     return out
-
-
-def _spec_for(i: int, kind: Kind, by_kind: dict[Kind, Any]) -> Any:
-    if kind not in by_kind:
-        raise ConfigError(
-            f"the model's config makes layer {i} a {kind} layer, but vLLM's KV cache "
-            f"groups have kinds {', '.join(map(str, by_kind))}"
-        )
-    return by_kind[kind]
-
-
-def _check_kind(i: int, vllm_kind: Kind, kind: Kind | None) -> None:
-    if vllm_kind is not kind:
-        raise ConfigError(
-            f"layer {i}: vLLM caches it as {vllm_kind}, the model's config makes it {kind}"
-        )
 
 
 def _check_projection(groups: list[Any], held: list[Any], own: set[str]) -> None:
