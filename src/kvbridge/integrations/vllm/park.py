@@ -23,10 +23,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvbridge.api import ConfigError, RankLayout, Region, View
-from kvbridge.connector.movers.device_copies import rows_copy
+from kvbridge.api import ConfigError, RankLayout, Region, View, byte_tensor, rows_copy
 from kvbridge.integrations.vllm.gpu_layout import Placement
-from kvbridge.transport.memory import byte_tensor
 
 Ids = Sequence[Sequence[int] | np.ndarray]
 """Block ids per KV cache group, as lists or arrays."""
@@ -158,7 +156,7 @@ class Park:
         step's ``StepMeta.parks``), every group (null entries skipped), on the device's
         current stream (after the step's KV writes queued before): a block's bytes in each
         plane of its slab are one run of
-        :func:`~kvbridge.connector.movers.device_copies.rows_copy`."""
+        :func:`~kvbridge.api.rows_copy`."""
         for s, a, b in zip(self.slabs, self.src, self.dst, strict=True):
             si, di = (
                 np.concatenate([np.asarray(o[k][g], np.int64) for o in orders for g in s.groups])
