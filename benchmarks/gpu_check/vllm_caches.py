@@ -88,8 +88,7 @@ def placement(vc: Any, cache: Any, rank: int, caches: dict[str, torch.Tensor]) -
 
     if next(iter(caches.values())).is_cuda:
         return place(vc, cache, rank, caches)
-    args = (cache.spec, cache.par, rank, caches, cache.kv_specs, cache.layer_names)
-    return gpu_rank_layout(*args, layout_name(vc), cache.conv_dim_first, MemKind.DEVICE)
+    return gpu_rank_layout(cache, rank, caches, layout_name(vc), MemKind.DEVICE)
 
 
 def engine(case: Case, side: SideCfg, device: torch.device, seed: int) -> Engine:
@@ -184,17 +183,16 @@ def parked(p: Engine, blocks: tuple[list[int], ...]) -> tuple[list[Any], list[li
     ``wait_for_save`` (:class:`~kvbridge.integrations.vllm.park.Park`, slots from the
     top of a park of ``NB`` blocks), then vLLM reuses the blocks (scrambled here); the
     parks and the request's park slots."""
-    from kvbridge.integrations.vllm.park import Park, region_tensors
+    from kvbridge.integrations.vllm.park import Park
 
     slots, free = [], list(range(NB - 1, 0, -1))
     for tab in blocks:
         slots.append([free.pop(0) if b else 0 for b in tab])
     parks = []
-    for caches, pl in zip(p.caches, p.placed, strict=True):
-        storages = region_tensors(caches, pl.bases)
-        parks.append(Park(pl, storages, NB))
-        parks[-1].copy(list(blocks), slots)
-        for raw in storages:  # the blocks vLLM freed, written by other requests
+    for pl in p.placed:
+        parks.append(Park(pl, NB))
+        parks[-1].copy([("r", list(blocks), slots)])
+        for raw in parks[-1].src:  # the blocks vLLM freed, written by other requests
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8).to(raw.device))
     return parks, slots
 

@@ -15,7 +15,9 @@ Plan (no I/O)             Geometry, Side, Bound, Plan; block tables: Tables,
                           checked_tables
 Move bytes                make_transport, register_transport, transport_names,
                           Transport, Region, XferHandle, XferState; read_runs (post a
-                          plan's runs by READ in requests, wait for them by a deadline)
+                          plan's runs by READ in requests, wait for them by a deadline);
+                          local copies where the memory is (CPU or GPU): byte_tensor
+                          (a Region as a uint8 tensor), rows_copy (equal-length runs)
 Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
                           Mode, Policy, LoadState, Keys, RankInfo
 Errors                    KVBridgeError and its subclasses
@@ -32,6 +34,7 @@ from kvbridge.connector import (
     ProducerWorker,
     TransferHandle,
 )
+from kvbridge.connector.movers.device_copies import rows_copy
 from kvbridge.connector.movers.pull import read_runs
 from kvbridge.control.messages import RankInfo
 from kvbridge.control.security import Keys
@@ -94,6 +97,7 @@ from kvbridge.transport import (
     register_transport,
     transport_names,
 )
+from kvbridge.transport.memory import byte_tensor
 
 __all__ = sorted(_API)
 """The names listed in :data:`kvbridge._API`, each imported above."""

@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvbridge.integrations.vllm import cache as cache_module
+from kvbridge.integrations.vllm import gpu_layout
 from kvbridge.integrations.vllm.connector import KVBridgeConnector
 from kvbridge.integrations.vllm.metadata import StepMeta
 from refengine.processes import serve
@@ -278,7 +278,7 @@ class WorkerPart:
         mp_.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
         mp_.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(rank_in_group=stage))
         if side.swap_heads:
-            mp_.setattr(cache_module, "shard_interval", _swapped(cache_module.shard_interval))
+            mp_.setattr(gpu_layout, "shard_interval", _swapped(gpu_layout.shard_interval))
         lay = KVCacheLayout[side.layout]
         self.caches = allocate_kv_cache(cfgs[rank], torch.device("cpu"), lay, None)
         fill(self.caches, 1000 + rank)  # what the pool held before (D: must stay where not loaded)

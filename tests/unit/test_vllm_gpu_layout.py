@@ -51,6 +51,7 @@ from kvbridge.api import (
     checked_tables,
     mla,
 )
+from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement, gpu_rank_layout, kernel_tables
 from kvbridge.integrations.vllm.state import state_layer
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
@@ -151,12 +152,17 @@ def kb_spec(kind: str, block: int) -> ModelSpec:
     return ModelSpec("t", layers, (Group("g0", (0, 1), block),))
 
 
+def cached(spec: ModelSpec, tp: int, eng: Engine, dim_first: bool = False) -> VllmCache:
+    """What ``read_cache`` gives ``gpu_rank_layout`` of engine ``eng`` (no PP; a group
+    none of whose layers the engine registered: refused)."""
+    names = {n: layer_of(n) for n in eng[0]}
+    return VllmCache(spec, Parallel(tp), names, 0, kv_specs=eng[1], conv_dim_first=dim_first)
+
+
 def describe(kind: str, eng: Engine, tp: int, rank: int, layout: str) -> Placement:
     """kvbridge's layout of one vLLM rank (``layout``: cross-checked against the strides)."""
-    caches, specs = eng
-    spec = kb_spec(kind, next(iter(specs.values())).block_size)
-    names = {n: layer_of(n) for n in caches}
-    return gpu_rank_layout(spec, Parallel(tp), rank, caches, specs, names, layout)
+    spec = kb_spec(kind, next(iter(eng[1].values())).block_size)
+    return gpu_rank_layout(cached(spec, tp, eng), rank, eng[0], layout)
 
 
 def assert_view(raw: np.ndarray, v: View, item: int, codes: np.ndarray, c0: int) -> None:
@@ -210,17 +216,16 @@ def test_a_wrong_description_is_caught() -> None:
 
 def test_bad_views_are_refused() -> None:
     caches, specs = attn_engine("kv", "BLNHC", 16, None)
-    names = {n: layer_of(n) for n in caches}
-    spec, par = kb_spec("kv", 16), Parallel(1)
+    cache = cached(kb_spec("kv", 16), 1, (caches, specs))
     with pytest.raises(ConfigError, match="not vLLM layout LHBNC"):
-        gpu_rank_layout(spec, par, 0, caches, specs, names, "LHBNC")
+        gpu_rank_layout(cache, 0, caches, "LHBNC")
     with pytest.raises(ConfigError, match="not a vLLM KV cache layout"):
-        gpu_rank_layout(spec, par, 0, caches, specs, names, "LBHXC")
+        gpu_rank_layout(cache, 0, caches, "LBHXC")
     wide = {n: dataclasses.replace(s, head_size_v=4) for n, s in specs.items()}
     with pytest.raises(ConfigError, match=r"is not \[blocks"):
-        gpu_rank_layout(spec, par, 0, caches, wide, names)
+        gpu_rank_layout(dataclasses.replace(cache, kv_specs=wide), 0, caches)
     with pytest.raises(ConfigError, match="holds blocks of 16"):
-        gpu_rank_layout(kb_spec("kv", 32), par, 0, caches, specs, names)
+        gpu_rank_layout(cached(kb_spec("kv", 32), 1, (caches, specs)), 0, caches)
 
 
 def hybrid(kind: str, conv: str, layout: str, tp: int, rank: int = 0) -> tuple[Engine, Placement]:
@@ -250,9 +255,7 @@ def hybrid(kind: str, conv: str, layout: str, tp: int, rank: int = 0) -> tuple[E
     layers = [state_layer(i, ms, tp, conv == "DS") for i in (0, 1)]
     layers += [attention(i, 2, HD, DType.FP32) for i in (2, 3)]
     spec = ModelSpec("h", tuple(layers), (Group("g0", (0, 1), 1), Group("g1", (2, 3), 32)))
-    names = {n: layer_of(n) for n in eng[0]}
-    par = Parallel(tp)
-    return eng, gpu_rank_layout(spec, par, rank, *eng, names, layout, conv == "DS")
+    return eng, gpu_rank_layout(cached(spec, tp, eng, conv == "DS"), rank, eng[0], layout)
 
 
 def split_state(t: Any, spec: Any) -> tuple[Any, ...]:

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
-import torch
 
 from kvbridge.api import ConfigError
+from kvbridge.connector.movers import device_copies
 from kvbridge.integrations.vllm import park as park_mod
 from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement
-from kvbridge.integrations.vllm.park import Park, region_tensors, slabs
+from kvbridge.integrations.vllm.park import Park, slabs
 from tests.unit import test_vllm_gpu_layout as tvgl
 from tests.unit.test_vllm_gpu_layout import (
     KINDS,
@@ -41,17 +41,16 @@ def filled(caches: dict) -> None:
             fill(t, (2 * i + j) << 20)
 
 
-def check_copy(caches: dict, placed: Placement, src: list, dst: list) -> None:
-    storages = region_tensors(caches, placed.bases)
-    park = Park(placed, storages, PARK)
+def check_copy(placed: Placement, src: list, dst: list) -> None:
+    park = Park(placed, PARK)
     for d in park.dst:
         d.fill_(0xAB)
-    park.copy(src, dst)
+    park.copy([("r", src, dst)])
     assert len(park.layout.views) == len(placed.layout.views)
     for v, pv in zip(placed.layout.views, park.layout.views, strict=True):
         g = placed.spec.group_of(v.layer)
         s = placed.splits[g]
-        raw, praw = storages[v.region].numpy(), park.dst[pv.region].reshape(-1).numpy()
+        raw, praw = park.src[v.region].numpy(), park.dst[pv.region].numpy()
         for seg in range(len(v.seg_units)):
             got = read_view(praw, pv, seg, 1)
             want = read_view(raw, v, seg, 1)
@@ -80,7 +79,7 @@ def test_park_copies_every_byte_of_each_block(
         return
     filled(eng[0])
     placed = describe(kind, eng, 1, 0, layout)
-    check_copy(eng[0], placed, SRC, DST)
+    check_copy(placed, SRC, DST)
 
 
 def test_a_layout_interleaving_blocks_is_refused() -> None:
@@ -113,18 +112,18 @@ def test_park_copies_state_and_attention_sharing_pages(kind: str, split: bool) -
     assert placed.splits == ((1, 2) if split else (1, 1))
     filled(eng[0])
     # one vLLM pool: the state group's slot and the attention blocks are distinct ids
-    check_copy(eng[0], placed, [[2], [4, 5]], [[3], [1, 4]])
+    check_copy(placed, [[2], [4, 5]], [[3], [1, 4]])
 
 
 def test_a_group_this_rank_holds_no_layer_of_counts_the_park() -> None:
     """A PP stage of attention layers only (the state group's layers on another stage):
     the park still counts ``park_blocks`` for the state group, as the rank's layout
     counts vLLM's pool (a handle checked against 0 blocks would fail)."""
-    eng, placed = split_hybrid("MAMBA2")
+    _eng, placed = split_hybrid("MAMBA2")  # the memory placed describes, kept
     lay = placed.layout
     views = tuple(v for v in lay.views if placed.spec.group_of(v.layer) == 1)
     stage = dataclasses.replace(placed, layout=dataclasses.replace(lay, views=views))
-    park = Park(stage, region_tensors(eng[0], placed.bases), PARK)
+    park = Park(stage, PARK)
     assert park.layout.num_blocks == (PARK, 2 * PARK)
 
 
@@ -135,7 +134,7 @@ def test_a_wrong_park_fails_the_check(layout: str, monkeypatch: pytest.MonkeyPat
     eng = attn_engine("kv", layout, 16, None)
     filled(eng[0])
     placed = describe("kv", eng, 1, 0, layout)
-    check_copy(eng[0], placed, SRC, DST)
+    check_copy(placed, SRC, DST)
     real = park_mod.park_layout
 
     def swapped(lay: Any, parts: Any, splits: Any, n: int) -> Any:  # K where V is
@@ -149,19 +148,11 @@ def test_a_wrong_park_fails_the_check(layout: str, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(park_mod, "park_layout", swapped)
     with pytest.raises(AssertionError):
-        check_copy(eng[0], placed, SRC, DST)
+        check_copy(placed, SRC, DST)
     monkeypatch.undo()
-    monkeypatch.setattr(Park, "copy", lambda self, src, dst: None)
+    monkeypatch.setattr(Park, "copy", lambda self, orders: None)
     with pytest.raises(AssertionError):
-        check_copy(eng[0], placed, SRC, DST)
-
-
-def test_region_tensors_refuses_foreign_bases() -> None:
-    eng = attn_engine("kv", "LBNHC", 16, None)
-    with pytest.raises(ConfigError, match="no storage"):
-        region_tensors(eng[0], [12345])
-    t = torch.zeros(4)
-    assert region_tensors({"x": t}, [t.data_ptr()])[0].numel() == 16
+        check_copy(placed, SRC, DST)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -169,17 +160,17 @@ def test_park_copies_rank_1_of_tp_2(layout: str) -> None:
     """A rank's slice of the heads (its view's offsets and strides those of its heads)."""
     eng = attn_engine("kv", layout, 16, None, tp=2)
     filled(eng[0])
-    check_copy(eng[0], describe("kv", eng, 2, 1, layout), SRC, DST)
+    check_copy(describe("kv", eng, 2, 1, layout), SRC, DST)
 
 
 def test_gathers_of_one_block_and_null_entries_copy_the_same(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Bounded gathers (``COPY_BYTES`` down to one block per gather) copy every block;
+    """Bounded gathers (``CHUNK_WORDS`` down to one block plane per gather) copy every block;
     a null entry (vLLM's block 0, a dropped block) is not copied: park block 0 keeps its
     bytes."""
-    monkeypatch.setattr(park_mod, "COPY_BYTES", 1)
+    monkeypatch.setattr(device_copies, "CHUNK_WORDS", 1)
     eng = attn_engine("kv", "BLNHC", 16, None)
     filled(eng[0])
     placed = describe("kv", eng, 1, 0, "BLNHC")
-    check_copy(eng[0], placed, [[4, 0, 1, 5]], [[3, 0, 1, 2]])
+    check_copy(placed, [[4, 0, 1, 5]], [[3, 0, 1, 2]])

@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 
 from kvbridge.api import checked_tables  # noqa: E402
 from kvbridge.errors import ConfigError, PlanError  # noqa: E402
-from kvbridge.integrations.vllm.cache import VllmCache, cpu_layout, read_cache  # noqa: E402
+from kvbridge.integrations.vllm.cache import VllmCache, read_cache  # noqa: E402
+from kvbridge.integrations.vllm.gpu_layout import gpu_rank_layout  # noqa: E402
 from kvbridge.integrations.vllm.state import state_shapes  # noqa: E402
 from kvbridge.plan.geometry import Geometry, Side  # noqa: E402
 from kvbridge.plan.pattern import Bound  # noqa: E402
@@ -122,6 +123,11 @@ def test_state_slot_follows_vllms_rule() -> None:
     assert none.tables([[5], [6], [1, 2]], 50).lists() == [[5], [6], [1, 2]]
 
 
+def cpu_layout(cache: VllmCache, rank: int, caches: dict[str, Any]) -> Any:
+    """The description ``place`` gives vLLM's CPU attention backend's caches."""
+    return gpu_rank_layout(cache, rank, caches, cpu_attn=True)
+
+
 class Rank:
     """One TP rank of a vLLM engine: one raw page buffer that every layer aliases."""
 
@@ -134,7 +140,8 @@ class Rank:
         heads = 2 // cache.par.tp
         attn = self.buf.view(torch.float32)[:, : heads * bs * 16].view(BLOCKS, heads, bs, 16)
         self.raw["m.layers.2.attn"] = attn
-        self.layout, self.bases = cpu_layout(cache, rank, self.raw)
+        placed = cpu_layout(cache, rank, self.raw)
+        self.layout, self.bases = placed.layout, placed.bases
 
     def state(self, layer: int) -> tuple[Any, Any]:
         """Conv ``[blocks, rows, channels]`` and SSM ``[blocks, heads, …]`` over the pages

@@ -1,10 +1,8 @@
-"""vLLM's KV cache as kvbridge sees it: a :class:`ModelSpec` from the cache groups and a
-:class:`RankLayout` over vLLM's CPU attention tensors, described in place (docs/vllm.md,
-"vLLM's CPU cache, as measured": K transposed per block, described ``BHDT``, V ``BHTD``;
-the regions are the storages, which layers of several groups alias, so every group
-shares one pool of ids). Mamba-2 and Gated DeltaNet layers are state groups of one slot
-per request (:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables` picks
-that slot on P and on D.
+"""vLLM's KV cache as kvbridge sees it: a :class:`ModelSpec` from the cache groups (the
+tensors are described by :mod:`~kvbridge.integrations.vllm.gpu_layout`). Mamba-2 and
+Gated DeltaNet layers are state groups of one slot per request
+(:mod:`~kvbridge.integrations.vllm.state`); :meth:`VllmCache.tables` picks that slot on
+P and on D.
 
 Pipeline parallelism: a PP stage's worker (and the scheduler, whose ``KVCacheConfig`` is
 stage 0's) sees only its own layers; the spec is the whole model's all the same
@@ -14,7 +12,6 @@ the same spec. ``layer_names`` and ``kv_specs`` name the process's own layers on
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,25 +23,13 @@ from kvbridge.api import (
     Layer,
     ModelSpec,
     Parallel,
-    RankLayout,
     Tables,
-    TensorDesc,
-    View,
     attention,
     mla,
     parse_dtype,
-    shard_interval,
-    tensor_views,
 )
-from kvbridge.integrations.vllm.gpu_layout import storage_regions
-from kvbridge.integrations.vllm.stages import STATE_SPEC, pp_stages, whole_groups, whole_model
-from kvbridge.integrations.vllm.state import (
-    conv_dim_first,
-    state_descs,
-    state_layer,
-    state_shapes,
-    state_views,
-)
+from kvbridge.integrations.vllm.stages import KINDS, pp_stages, spec_kind, whole_groups, whole_model
+from kvbridge.integrations.vllm.state import conv_dim_first, state_layer
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -141,19 +126,18 @@ def _layers_and_groups(
     layers: dict[int, Layer] = {}
     groups, state_blocks = [], {}
     for g, group in enumerate(vllm_groups):
-        cs, idx = group.kv_cache_spec, []
-        for name in group.layer_names:
-            i, ls = layer_index(name), _layer_spec(group, name)
-            if type(ls).__name__ == STATE_SPEC:
+        idx = [layer_index(name) for name in group.layer_names]
+        for i, name in zip(idx, group.layer_names, strict=True):
+            ls = _layer_spec(group, name)
+            kind = spec_kind(ls, f"layer {i}")
+            if kind is Kind.STATE:
                 layers[i] = state_layer(i, ls, tp, dim_first)
             else:
-                layers[i] = _layer(i, ls, kv_heads)
-            idx.append(i)
-        if type(cs).__name__ == STATE_SPEC:
+                layers[i] = _layer(i, kind, ls, kv_heads)
+        cs = group.kv_cache_spec
+        if KINDS.get(type(cs).__name__) is Kind.STATE:  # else attention, or per layer
             state_blocks[g] = cs.block_size
-            groups.append(Group(f"g{g}", tuple(idx), 1))
-        else:
-            groups.append(Group(f"g{g}", tuple(idx), cs.block_size))
+        groups.append(Group(f"g{g}", tuple(idx), 1 if g in state_blocks else cs.block_size))
     return layers, groups, state_blocks
 
 
@@ -180,77 +164,18 @@ def _refuse_unplanned(par_cfg: Any, kv_cache_config: Any) -> None:
         )
 
 
-def _layer(index: int, cs: Any, kv_heads: int) -> Layer:
-    kind_name = type(cs).__name__
+def _layer(index: int, kind: Kind, cs: Any, kv_heads: int) -> Layer:
+    """An attention or MLA layer of vLLM spec ``cs`` (of ``kind``: :func:`spec_kind`)."""
     dtype = parse_dtype(str(cs.dtype))
-    if kind_name == "MLAAttentionSpec":
+    if kind is Kind.MLA:
         # one latent per token (``head_size`` elements: compressed KV | rope key), the
         # same on every TP rank
         return mla(index, cs.head_size, dtype)
-    if kind_name in ("FullAttentionSpec", "SlidingWindowSpec"):
-        # vLLM's window counts the token being computed: D, which recomputes the last
-        # prompt token, needs the ``window - 1`` tokens before it.
-        sliding = kind_name == "SlidingWindowSpec"
-        kind, window = (Kind.SLIDING, cs.sliding_window) if sliding else (Kind.FULL, 0)
-        head = cs.head_size
-        return attention(index, kv_heads, head, dtype, kind, window, v_head_dim=cs.head_size_v)
-    if kind_name == "ChunkedLocalAttentionSpec":
-        return attention(
-            index, kv_heads, cs.head_size, dtype, Kind.CHUNKED, chunk=cs.attention_chunk_size
-        )
-    raise ConfigError(f"layer {index}: vLLM cache kind {kind_name} is not supported yet")
-
-
-def cpu_layout(
-    cache: VllmCache, tp_rank: int, kv_caches: Mapping[str, Any]
-) -> tuple[RankLayout, list[int]]:
-    """The layout of vLLM's CPU attention tensors on ``tp_rank``; returns it and region bases."""
-    regions = storage_regions(kv_caches)
-    views: list[View] = []
-    spec = cache.spec
-    for name, t in kv_caches.items():
-        i = cache.layer_names.get(name)
-        if i is None:
-            raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
-        if spec.layers[i].kind is Kind.STATE:
-            shapes, dtypes = state_shapes(cache.kv_specs[name])
-            descs = state_descs(name, t, shapes, dtypes, cache.conv_dim_first)
-            views += state_views(spec.layers[i], name, descs, cache.par.tp, tp_rank, regions)
-            continue
-        seg = spec.layers[i].streams[0].segments[0]
-        heads = shard_interval(seg.units, cache.par.tp, tp_rank)
-        k, v = _cpu_attn_descs(name, t)
-        views += tensor_views(i, k, ("k",), heads, regions)
-        views += tensor_views(i, v, ("v",), heads, regions)
-    # a group none of whose layers this PP stage holds: vLLM's pool, never addressed here
-    num_blocks = tuple(
-        min((v.blocks for v in views if spec.group_of(v.layer) == g), default=cache.num_blocks)
-        for g in range(len(spec.groups))
-    )
-    layout = RankLayout(
-        regions.sizes,
-        tuple(views),
-        tuple(g.block_size for g in spec.groups),
-        num_blocks,
-        (0,) * len(spec.groups),
-    )
-    return layout, list(regions.bases)
-
-
-def _cpu_attn_descs(name: str, t: Any) -> tuple[TensorDesc, TensorDesc]:
-    """K ``[blocks, heads, head, block]`` and V ``[blocks, heads, block, head]`` of one layer."""
-    if t.dim() != 4:
-        raise ConfigError(f"{name}: CPU attention cache of shape {tuple(t.shape)}, expected 4-D")
-    nb, heads, bs, two_hd = t.shape
-    s0, s1, s2, s3 = t.stride()
-    hd = two_hd // 2
-    if s3 != 1 or s2 != two_hd or s1 != bs * two_hd:
-        raise ConfigError(f"{name}: strides {t.stride()} are not vLLM's CPU cache layout")
-    item = t.element_size()
-    k = TensorDesc(t.data_ptr(), (nb, heads, hd, bs), (s0, s1, bs, 1), item, "BHDT")
-    v_addr = t.data_ptr() + bs * hd * item
-    v = TensorDesc(v_addr, (nb, heads, bs, hd), (s0, s1, hd, 1), item, "BHTD")
-    return k, v
+    # vLLM's window counts the token being computed: D, which recomputes the last prompt
+    # token, needs the ``window - 1`` tokens before it.
+    window = cs.sliding_window if kind is Kind.SLIDING else 0
+    chunk = cs.attention_chunk_size if kind is Kind.CHUNKED else 0
+    return attention(index, kv_heads, cs.head_size, dtype, kind, window, chunk, cs.head_size_v)
 
 
 CPU_KERNELS = ("vec", "vec16")

@@ -8,6 +8,7 @@ import json
 import logging
 import logging.config
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -103,12 +104,6 @@ class ConnectorConfig:
     """P: the side-channel port of the parked blocks' handshakes and leases (0: any)."""
 
 
-KNOWN = {
-    *("host", "port", "lease_s", "timeout_s", "model_id", "advertise", "keys_file"),
-    *("transport", "prepare", "num_threads", "park_blocks", "park_port"),
-}
-"""``kv_connector_extra_config`` keys besides the secret."""
-
 VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
 """Config keys that name where or how a model was loaded, not which model it is."""
 
@@ -136,30 +131,20 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
         raise ConfigError(
             "kvbridge needs a shared secret: kv_connector_extra_config.secret or KVBRIDGE_SECRET"
         )
-    unknown = set(extra) - KNOWN
+    unknown = set(extra) - READ.keys()
     if unknown:
         raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
-    try:
-        cfg = ConnectorConfig(
-            str(kv_transfer_config.engine_id),
-            role in ("kv_producer", "kv_both"),
-            role in ("kv_consumer", "kv_both"),
-            secret.encode(),
-            str(extra.get("host", "127.0.0.1")),
-            int(extra.get("port", 0)),
-            float(extra.get("lease_s", 60.0)),
-            float(extra.get("timeout_s", 10.0)),
-            str(extra.get("model_id") or (model_fingerprint(hf_config) if hf_config else "")),
-            str(extra.get("advertise", "")),
-            str(extra.get("keys_file", "")),
-            str(extra.get("transport", "nixl")),
-            _peers(extra.get("prepare", ())),
-            _whole("num_threads", extra.get("num_threads")),
-            _whole("park_blocks", extra.get("park_blocks")) or 0,
-            _whole("park_port", extra.get("park_port")) or 0,
-        )
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"kv_connector_extra_config {extra}: {e}") from None
+    kw: dict[str, Any] = {}
+    for key, value in extra.items():
+        try:
+            if value is not None:  # None: the default
+                kw[key] = READ[key](value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"kv_connector_extra_config {key}={value!r}: {e}") from None
+    if not kw.get("model_id") and hf_config is not None:
+        kw["model_id"] = model_fingerprint(hf_config)
+    roles = role in ("kv_producer", "kv_both"), role in ("kv_consumer", "kv_both")
+    cfg = ConnectorConfig(str(kv_transfer_config.engine_id), *roles, secret.encode(), **kw)
     if cfg.num_threads is not None and not 0 <= cfg.num_threads <= 64:
         raise ConfigError(f"kv_connector_extra_config num_threads={cfg.num_threads}: 0..64")
     _check_park(cfg)
@@ -189,12 +174,10 @@ def _check_park(cfg: ConnectorConfig) -> None:
         log.warning("kvbridge: park_blocks is P's setting: %s parks nothing", cfg.engine_id)
 
 
-def _whole(key: str, value: Any) -> int | None:
-    """A whole number given as one (or its digits), else ValueError; None if absent."""
-    if value is None:
-        return None
+def _whole(value: Any) -> int:
+    """A whole number given as one (or its digits), else ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{key}: a whole number, not {value!r}")
+        raise ValueError(f"a whole number, not {value!r}")
     return int(value)
 
 
@@ -236,3 +219,14 @@ def check_keys(path: str, engine_id: str) -> Keys:
             f"{engine_id!r} (give kv_transfer_config.engine_id, or another file)"
         )
     return keys
+
+
+READ: dict[str, Callable[[Any], Any]] = {
+    **dict.fromkeys(("host", "model_id", "advertise", "keys_file", "transport"), str),
+    **dict.fromkeys(("lease_s", "timeout_s"), float),
+    **dict.fromkeys(("num_threads", "park_blocks", "park_port"), _whole),
+    "port": int,
+    "prepare": _peers,
+}
+"""``kv_connector_extra_config`` keys besides the secret: each read into the
+:class:`ConnectorConfig` field of its name (absent or None: the field's default)."""

@@ -88,7 +88,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         w = self._w()
-        w.register(place(self._vllm_config, w.cache, w.tp_rank, kv_caches), kv_caches)
+        w.register(place(self._vllm_config, w.cache, w.tp_rank, kv_caches))
 
     def get_handshake_metadata(self) -> RankMeta | None:
         return self._w().handshake_meta()

@@ -1,7 +1,9 @@
-"""vLLM's GPU KV caches described in place, from the logical ``[B, H, N, C]`` view of
-each layer vLLM itself makes (docs/vllm.md, "vLLM's GPU cache, as described"). Strides
-are read from the tensor; a layout name, when given, only cross-checks their order.
-Nothing is copied."""
+"""vLLM's KV caches described in place: on a GPU (or any backend but ``CPU_ATTN``), from
+the logical ``[B, H, N, C]`` view of each layer vLLM itself makes (docs/vllm.md, "vLLM's
+GPU cache, as described"); strides are read from the tensor, a layout name, when given,
+only cross-checks their order. vLLM's CPU attention cache (``cpu_attn``) is K transposed
+per block (docs/vllm.md, "vLLM's CPU cache, as measured": K described ``BHDT``, V
+``BHTD``), its state tensors as vLLM hands them over. Nothing is copied."""
 
 from __future__ import annotations
 
@@ -16,10 +18,8 @@ from kvbridge.api import (
     ConfigError,
     Group,
     Kind,
-    Layer,
     MemKind,
     ModelSpec,
-    Parallel,
     RankLayout,
     RegionSet,
     Tables,
@@ -28,6 +28,7 @@ from kvbridge.api import (
     shard_interval,
     tensor_views,
 )
+from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.state import state_descs, state_shapes, state_views
 
 KV = ("k", "v")
@@ -43,7 +44,7 @@ class GpuDescs:
     streams: tuple[tuple[str, ...], ...]
     """Per tensor: the kvbridge streams along its S axis (one name: no S axis)."""
     block_size: int
-    """Tokens per described block (1: a state slot)."""
+    """Tokens per described block."""
     split: int = 1
     """Described blocks per vLLM block (> 1: kernel blocks, see :func:`kernel_tables`)."""
 
@@ -123,15 +124,30 @@ def attention_descs(name: str, t: Any, spec: Any, layout: str | None = None) -> 
     return GpuDescs((k, v), (("k",), ("v",)), rows, split)
 
 
+def cpu_attn_descs(name: str, t: Any) -> GpuDescs:
+    """K ``[blocks, heads, head, block]`` and V ``[blocks, heads, block, head]`` of one
+    layer of vLLM's CPU attention cache."""
+    if t.dim() != 4:
+        raise ConfigError(f"{name}: CPU attention cache of shape {tuple(t.shape)}, expected 4-D")
+    nb, heads, bs, two_hd = t.shape
+    s0, s1, s2, s3 = t.stride()
+    hd = two_hd // 2
+    if s3 != 1 or s2 != two_hd or s1 != bs * two_hd:
+        raise ConfigError(f"{name}: strides {t.stride()} are not vLLM's CPU cache layout")
+    item = t.element_size()
+    k = TensorDesc(t.data_ptr(), (nb, heads, hd, bs), (s0, s1, bs, 1), item, "BHDT")
+    v_addr = t.data_ptr() + bs * hd * item
+    v = TensorDesc(v_addr, (nb, heads, bs, hd), (s0, s1, hd, 1), item, "BHTD")
+    return GpuDescs((k, v), (("k",), ("v",)), bs)
+
+
 def state_gpu_descs(
     name: str, t: Any, spec: Any, dim_first: bool, layout: str | None = None
-) -> GpuDescs:
+) -> list[TensorDesc]:
     """Conv and SSM / recurrent state of a ``MambaSpec`` layer from its int8 page view
     ``[B, 1, 1, C]`` (``dim_first``: conv kept ``[channels, kernel-1]``, vLLM's ``DS``)."""
     (_, heads, rows, content), _ = _dims(name, t, layout)
-    shapes, dtypes = state_shapes(spec)
-    if len(shapes) != 2 or len(dtypes) != 2:
-        raise ConfigError(f"{name}: {len(shapes)} state tensors {shapes}; expected conv, ssm")
+    shapes, dtypes = state_shapes(spec)  # conv and SSM: checked by state_layer
     need = sum(
         math.prod(s) * int(getattr(d, "itemsize", 0)) for s, d in zip(shapes, dtypes, strict=True)
     )
@@ -139,42 +155,44 @@ def state_gpu_descs(
         raise ConfigError(
             f"{name}: vLLM state view {tuple(t.shape)} {t.dtype}; expected int8 [B, 1, 1, ≥ {need}]"
         )
-    descs = state_descs(name, t, shapes, dtypes, dim_first)
-    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    ssm = "recurrent_state" if kind == "GDN_ATTN" else "ssm_state"
-    return GpuDescs(tuple(descs), (("conv_state",), (ssm,)), 1)
+    return state_descs(name, t, shapes, dtypes, dim_first)
 
 
 def gpu_views(
-    layer: Layer,
+    cache: VllmCache,
     name: str,
     t: Any,
-    kv_spec: Any,
-    par: Parallel,
     tp_rank: int,
     regions: RegionSet,
-    layout: str | None = None,
-    dim_first: bool = False,
-) -> tuple[list[View], GpuDescs]:
-    """kvbridge views of one vLLM layer cache ``t`` (``kv_spec``: its vLLM spec) on
-    ``tp_rank``, checked against the kvbridge ``layer``; and the descriptions."""
+    layout: str | None,
+    cpu_attn: bool,
+) -> tuple[list[View], tuple[int, int]]:
+    """kvbridge views of vLLM layer cache ``t`` of layer ``name`` on ``tp_rank``, checked
+    against the spec's layer; and its described blocks ``(tokens, per vLLM block)``."""
+    if name not in cache.layer_names or name not in cache.kv_specs:
+        raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
+    layer, kv_spec = cache.spec.layers[cache.layer_names[name]], cache.kv_specs[name]
+    tp = cache.par.tp
     if layer.kind is Kind.STATE:
-        d = state_gpu_descs(name, t, kv_spec, dim_first, layout)
-        return state_views(layer, name, list(d.descs), par.tp, tp_rank, regions), d
-    d = attention_descs(name, t, kv_spec, layout)
+        if cpu_attn:  # conv and SSM tensors, or a page buffer, as vLLM's CPU worker has them
+            descs = state_descs(name, t, *state_shapes(kv_spec), cache.conv_dim_first)
+        else:
+            descs = state_gpu_descs(name, t, kv_spec, cache.conv_dim_first, layout)
+        return state_views(layer, name, descs, tp, tp_rank, regions), (1, 1)
+    d = cpu_attn_descs(name, t) if cpu_attn else attention_descs(name, t, kv_spec, layout)
     by_name = {s.name: s for s in layer.streams}
     views: list[View] = []
     for desc, names in zip(d.descs, d.streams, strict=True):
         if any(n not in by_name for n in names):
             raise ConfigError(f"{name}: streams {names}; kvbridge layer has {sorted(by_name)}")
         stream = by_name[names[0]]
-        units = shard_interval(stream.segments[0].units, par.tp, tp_rank, stream.replicated)
+        units = shard_interval(stream.segments[0].units, tp, tp_rank, stream.replicated)
         views += tensor_views(layer.index, desc, names, units, regions)
     for v in views:
         want = by_name[v.stream].segments[0].unit_bytes
         if v.unit_bytes[0] != want:
             raise ConfigError(f"{name}: {v.stream} units of {v.unit_bytes[0]} bytes, spec {want}")
-    return views, d
+    return views, (d.block_size, d.split)
 
 
 def storage_regions(kv_caches: Mapping[str, Any], kind: MemKind = MemKind.HOST) -> RegionSet:
@@ -203,55 +221,38 @@ def layer_tensors(t: Any) -> list[Any]:
 
 
 def gpu_rank_layout(
-    spec: ModelSpec,
-    par: Parallel,
+    cache: VllmCache,
     tp_rank: int,
     kv_caches: Mapping[str, Any],
-    kv_specs: Mapping[str, Any],
-    layer_names: Mapping[str, int],
     layout: str | None = None,
-    dim_first: bool = False,
     memory: MemKind = MemKind.HOST,
-    pool: int = 0,
+    cpu_attn: bool = False,
 ) -> Placement:
     """The :class:`RankLayout` of ``kv_caches`` (vLLM layer name → its view, as
-    ``register_kv_caches`` gets them; ``kv_specs``: name → vLLM spec; ``layer_names``: name
-    → kvbridge layer of ``spec``, whose groups have vLLM's block sizes). Where vLLM keeps
+    ``register_kv_caches`` gets them, the layers of ``cache``'s stage). Where vLLM keeps
     kernel blocks whose tokens do not continue each other, the group is described in kernel
     blocks: :attr:`Placement.spec` says so, and :func:`kernel_tables` maps block ids. Groups
-    of one split share one pool of block ids, as vLLM's groups do. ``pool``: vLLM's blocks
-    (``KVCacheConfig.num_blocks``), what a group none of whose layers this PP stage holds
-    is described with (0: such a group refused)."""
+    of one split share one pool of block ids, as vLLM's groups do. A group none of whose
+    layers this PP stage holds is described with vLLM's ``cache.num_blocks`` (0: refused).
+    ``cpu_attn``: the caches of vLLM's CPU attention backend (:func:`cpu_attn_descs`)."""
+    spec = cache.spec
     regions = storage_regions(kv_caches, memory)
     views: list[View] = []
     blocks: dict[int, tuple[int, int]] = {}
     for name, t in kv_caches.items():
-        if name not in layer_names or name not in kv_specs:
-            raise ConfigError(f"vLLM registered cache {name!r} that no KV cache group names")
-        i = layer_names[name]
-        lay = spec.layers[i]
-        vs, d = gpu_views(lay, name, t, kv_specs[name], par, tp_rank, regions, layout, dim_first)
-        g = spec.group_of(i)
-        if blocks.setdefault(g, (d.block_size, d.split)) != (d.block_size, d.split):
-            raise ConfigError(f"{name}: blocks of {d.block_size} ×{d.split}, group: {blocks[g]}")
+        vs, got = gpu_views(cache, name, t, tp_rank, regions, layout, cpu_attn)
+        g = spec.group_of(cache.layer_names[name])
+        if blocks.setdefault(g, got) != got:
+            raise ConfigError(f"{name}: blocks of {got[0]} ×{got[1]}, group: {blocks[g]}")
         views += vs
-    stage = _stage_layers(spec, par, [layer_names[n] for n in kv_caches])
-    groups, splits, counts = _group_blocks(spec, blocks, views, stage, pool)
+    stage = range(*cache.par.stage_ranges(len(spec.layers))[cache.stage])
+    groups, splits, counts = _group_blocks(spec, blocks, views, stage, cache.num_blocks)
     pools = tuple(sorted(set(splits)).index(s) for s in splits)
     sizes = tuple(g.block_size for g in groups)
     rank = RankLayout(regions.sizes, tuple(views), sizes, counts, pools)
     described = ModelSpec(spec.name, spec.layers, groups)
     device = regions.regions[0].device if regions.regions else 0
     return Placement(rank, list(regions.bases), described, splits, memory, device)
-
-
-def _stage_layers(spec: ModelSpec, par: Parallel, held: Sequence[int]) -> range:
-    """The layers of the PP stage holding layers ``held`` (all of them without PP)."""
-    n = len(spec.layers)
-    if not held:
-        return range(n)
-    a, b = par.stage_ranges(n)[par.stage_of_layer(min(held), n)]
-    return range(a, b)
 
 
 def _group_blocks(

@@ -17,20 +17,20 @@ vLLM's blocks as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import torch
 
-from kvbridge.api import ConfigError, RankLayout, View
-from kvbridge.integrations.vllm.gpu_layout import Placement, layer_tensors
+from kvbridge.api import ConfigError, RankLayout, Region, View, byte_tensor, rows_copy
+from kvbridge.integrations.vllm.gpu_layout import Placement
 
-BlockIds = list[list[int]]
-"""vLLM block ids, one list per KV cache group."""
 Ids = Sequence[Sequence[int] | np.ndarray]
-"""vLLM block ids per KV cache group, as lists or arrays."""
+"""Block ids per KV cache group, as lists or arrays."""
+Order = tuple[str, Ids, Ids]
+"""``(request id, vLLM blocks, park slots)``: copy each block to its slot, per group (a
+block without a slot is null)."""
 
 
 @dataclass(frozen=True)
@@ -132,73 +132,38 @@ def park_layout(
     return RankLayout(regions, tuple(views), layout.block_sizes, counts, layout.pools)
 
 
-def region_tensors(kv_caches: Mapping[str, Any], bases: Sequence[int]) -> list[torch.Tensor]:
-    """The storage at each of ``bases`` (vLLM's KV tensors' storages) as bytes."""
-    found: dict[int, torch.Tensor] = {}
-    for t in kv_caches.values():
-        for x in layer_tensors(t):
-            st = x.untyped_storage()
-            if st.data_ptr() not in found:
-                raw = torch.empty(0, dtype=torch.uint8, device=x.device)
-                found[st.data_ptr()] = raw.set_(st, 0, (st.nbytes(),), (1,))
-    missing = [b for b in bases if b not in found]
-    if missing:
-        raise ConfigError(f"park: regions at {missing} are no storage of vLLM's KV tensors")
-    return [found[b] for b in bases]
-
-
-COPY_BYTES = 64 << 20
-"""Most bytes one gather of :meth:`Park.copy` holds (its temporary is outside vLLM's
-memory budget)."""
-
-
 class Park:
-    """A worker's park: memory laid out as vLLM's (``layout``, ``bases``) with
-    ``park_blocks`` blocks, and the copy into it."""
+    """A worker's park: memory laid out as vLLM's (``placed``) with ``park_blocks``
+    blocks, and the copy into it."""
 
-    def __init__(self, placed: Placement, storages: Sequence[torch.Tensor], park_blocks: int):
-        """``storages[i]``: the bytes of ``placed.layout.regions[i]``
-        (:func:`region_tensors`)."""
+    def __init__(self, placed: Placement, park_blocks: int):
         self.slabs = slabs(placed.layout, placed.spec.group_of, placed.splits)
+        self.layout = park_layout(placed.layout, self.slabs, placed.splits, park_blocks)
+        self.park_blocks = park_blocks
+        mem = placed.memory, placed.device
         self.src = [
-            storages[s.region][: s.planes * s.blocks * s.stride].view(s.planes, s.blocks, s.stride)
-            for s in self.slabs
+            byte_tensor(Region(b, n, *mem))
+            for b, n in zip(placed.bases, placed.layout.regions, strict=True)
         ]
         self.dst = [
-            torch.empty(
-                (s.planes, park_blocks, s.stride),
-                dtype=torch.uint8,
-                device=storages[s.region].device,
-            )
-            for s in self.slabs
+            torch.empty(n, dtype=torch.uint8, device=a.device)
+            for n, a in zip(self.layout.regions, self.src, strict=True)
         ]
-        self.layout = park_layout(placed.layout, self.slabs, placed.splits, park_blocks)
         self.bases = [d.data_ptr() for d in self.dst]
 
-    def copy(self, src: Ids, dst: Ids) -> None:
-        """Copy vLLM blocks ``src[g][i]`` into park blocks ``dst[g][i]``, every group (null
-        entries skipped), on the device's current stream (after the step's KV writes
-        queued before), gathers of at most :data:`COPY_BYTES`."""
-        index: dict[tuple[int, ...], Index] = {}  # one upload per set of groups
+    def copy(self, orders: Sequence[Order]) -> None:
+        """Copy each order's vLLM blocks ``[1][g][i]`` into park blocks ``[2][g][i]`` (a
+        step's ``StepMeta.parks``), every group (null entries skipped), on the device's
+        current stream (after the step's KV writes queued before): a block's bytes in each
+        plane of its slab are one run of
+        :func:`~kvbridge.api.rows_copy`."""
         for s, a, b in zip(self.slabs, self.src, self.dst, strict=True):
-            if s.groups not in index:
-                index[s.groups] = _index(s.groups, src, dst, a.device)
-            got = index[s.groups]
-            if got is None:
-                continue
-            step = max(1, COPY_BYTES // (s.planes * s.stride))
-            for k in range(0, len(got[0]), step):
-                b[:, got[1][k : k + step]] = a[:, got[0][k : k + step]]
-
-
-Index = tuple[torch.Tensor, torch.Tensor] | None
-"""vLLM block ids to read and park blocks to write, on a slab's device (None: none)."""
-
-
-def _index(groups: tuple[int, ...], src: Ids, dst: Ids, on: torch.device) -> Index:
-    si = np.concatenate([np.asarray(src[g], dtype=np.int64) for g in groups])
-    di = np.concatenate([np.asarray(dst[g], dtype=np.int64) for g in groups])
-    live = si != 0  # null entries: nothing to copy
-    if not live.any():
-        return None
-    return torch.as_tensor(si[live], device=on), torch.as_tensor(di[live], device=on)
+            si, di = (
+                np.concatenate([np.asarray(o[k][g], np.int64) for o in orders for g in s.groups])
+                for k in (1, 2)
+            )
+            live = si != 0  # null entries: nothing to copy
+            plane = np.arange(s.planes, dtype=np.int64)[:, None] * s.stride
+            d_off = (plane * self.park_blocks + di[live] * s.stride).ravel()
+            s_off = (plane * s.blocks + si[live] * s.stride).ravel()
+            rows_copy(b, d_off, a, s_off, s.stride)

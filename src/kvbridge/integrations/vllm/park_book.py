@@ -10,13 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.integrations.vllm.park import BlockIds
+from kvbridge.integrations.vllm.park import Order
 
+BlockIds = list[list[int]]
+"""vLLM block ids, one list per KV cache group."""
 Slots = tuple[list[np.ndarray], list[np.ndarray]]
 """Per group: vLLM blocks followed, and the park slot of each (0: none)."""
-Order = tuple[str, list[np.ndarray], list[np.ndarray]]
-"""``(request id, vLLM blocks, park slots)``: copy each block to its slot, per group
-(a block without a slot is null)."""
 
 
 Keep = Callable[[int, int], range]
@@ -49,7 +48,7 @@ class ParkBook:
         whose prompt it completes, while slots last."""
         counts: dict[str, int] = getattr(scheduled, "num_scheduled_tokens", None) or {}
         done = self._follow(scheduled)
-        out = []
+        out: list[Order] = []
         for rid, computed in done.items():
             if computed + counts.get(rid, 0) < self.prompt[rid]:
                 continue  # a chunk of its prompt: later

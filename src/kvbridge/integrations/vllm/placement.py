@@ -1,11 +1,11 @@
-"""Which description a worker's KV tensors get, and which memory they are registered as,
-chosen once, in ``register_kv_caches``: vLLM's CPU attention backend (``CPU_ATTN``, K
-transposed inside each block) gets :func:`~kvbridge.integrations.vllm.cache.cpu_layout`
-(verified CPU kernels only) in host memory; a KV tensor on a CUDA device, or an attention
-layer of any other backend (``CPU_MLA`` on the CPU), gets
-:mod:`~kvbridge.integrations.vllm.gpu_layout` over vLLM's logical ``[B, H, N, C]`` views,
-in device memory on the tensors' GPU (CPU tensors: device memory where
-``KVBRIDGE_DEVICE_ON_CPU=1`` emulates it, host memory otherwise)."""
+"""Which description a worker's KV tensors get
+(:func:`~kvbridge.integrations.vllm.gpu_layout.gpu_rank_layout`), and which memory they
+are registered as, chosen once, in ``register_kv_caches``: vLLM's CPU attention backend
+(``CPU_ATTN``, K transposed inside each block; verified CPU kernels only) in host memory;
+a KV tensor on a CUDA device, or an attention layer of any other backend (``CPU_MLA`` on
+the CPU), over vLLM's logical ``[B, H, N, C]`` views, in device memory on the tensors' GPU
+(CPU tensors: device memory where ``KVBRIDGE_DEVICE_ON_CPU=1`` emulates it, host memory
+otherwise)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from kvbridge import envs
 from kvbridge.api import Kind, MemKind
-from kvbridge.integrations.vllm.cache import VllmCache, check_cpu_kernel, cpu_layout
+from kvbridge.integrations.vllm.cache import VllmCache, check_cpu_kernel
 from kvbridge.integrations.vllm.gpu_layout import Placement, gpu_rank_layout, layer_tensors
 
 CPU_BACKEND = "CPU_ATTN"
@@ -30,25 +30,12 @@ def place(
     layers = cache.spec.layers
     attention = [n for n, i in cache.layer_names.items() if layers[i].kind is not Kind.STATE]
     cuda = any(x.is_cuda for t in kv_caches.values() for x in layer_tensors(t))
-    if not cuda and attention_backends(vllm_config, attention) <= {CPU_BACKEND}:
+    cpu_attn = not cuda and attention_backends(vllm_config, attention) <= {CPU_BACKEND}
+    if cpu_attn:
         check_cpu_kernel(vllm_config, cache)
-        layout, bases = cpu_layout(cache, tp_rank, kv_caches)
-        ones = (1,) * len(cache.spec.groups)
-        return Placement(layout, bases, cache.spec, ones, MemKind.HOST, 0)
-    emulated = envs.device_on_cpu() and not torch.cuda.is_available()
-    kind = MemKind.DEVICE if cuda or emulated else MemKind.HOST
-    return gpu_rank_layout(
-        cache.spec,
-        cache.par,
-        tp_rank,
-        kv_caches,
-        cache.kv_specs,
-        cache.layer_names,
-        layout_name(vllm_config),
-        cache.conv_dim_first,
-        kind,
-        cache.num_blocks,
-    )
+    emulated = envs.device_on_cpu() and not torch.cuda.is_available() and not cpu_attn
+    memory = MemKind.DEVICE if cuda or emulated else MemKind.HOST
+    return gpu_rank_layout(cache, tp_rank, kv_caches, layout_name(vllm_config), memory, cpu_attn)
 
 
 def attention_backends(vllm_config: Any, names: Iterable[str]) -> frozenset[str]:

@@ -34,7 +34,8 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import kernel_tables, table_splits
 from kvbridge.integrations.vllm.metadata import StepMeta, decode_info
-from kvbridge.integrations.vllm.park_book import Keep, Order, ParkBook
+from kvbridge.integrations.vllm.park import Order
+from kvbridge.integrations.vllm.park_book import Keep, ParkBook
 
 log = logging.getLogger(__name__)
 
@@ -154,31 +155,32 @@ class SchedulerSide:
             return None
 
     # --- D ---------------------------------------------------------------------------
-    def _handle(self, request: Any, text: Any) -> TransferHandle | None:
-        """``request``'s handle from its ``text``, decoded once per request; None if
-        malformed (the workers report that, by policy)."""
-        known = self._decoded.get(request.request_id)
-        if known is not None and known[0] == text:
-            return known[1]
-        try:  # vLLM's transfer params are JSON: a handle is text, anything else malformed
-            handle = decode_handle(text) if isinstance(text, str) else None
-        except KVBridgeError:
-            handle = None
-        self._decoded[request.request_id] = (text, handle)
-        return handle
-
-    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+    def _incoming(self, request: Any) -> tuple[Any, TransferHandle | None] | None:
+        """D: ``request``'s handle text and handle (None: malformed, which the workers
+        report, by policy), decoded once per request; None where D loads nothing for it
+        (no handle, not a consumer, or its load begun)."""
         text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
         if text is None or not self.cfg.consumer or self.requests.begun(request.request_id):
-            return 0, False
-        n = _tokens(request, self._handle(request, text))
+            return None
+        known = self._decoded.get(request.request_id)
+        if known is None or known[0] != text:
+            try:  # vLLM's transfer params are JSON: a handle is text, anything else malformed
+                handle = decode_handle(text) if isinstance(text, str) else None
+            except KVBridgeError:
+                handle = None
+            known = self._decoded[request.request_id] = (text, handle)
+        return known
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        got = self._incoming(request)
+        n = 0 if got is None else _tokens(request, got[1])
         return (n - num_computed, True) if n > num_computed else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
-        text = (request.kv_transfer_params or {}).get(HANDLE_KEY)
-        if text is None or not self.cfg.consumer or self.requests.begun(request.request_id):
+        got = self._incoming(request)
+        if got is None:
             return
-        handle = self._handle(request, text)
+        text, handle = got
         self._decoded.pop(request.request_id, None)
         # vLLM's prompt_token_ids: none for a prompt given as embeddings
         prompt = getattr(request, "prompt_token_ids", None)

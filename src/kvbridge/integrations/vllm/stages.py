@@ -22,23 +22,21 @@ must give exactly the groups vLLM gave the stage, or the connector refuses."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from kvbridge.api import ConfigError, Group, Kind, Layer, from_hf_config
 
-STATE_SPEC = "MambaSpec"
-"""vLLM's spec class of state (Mamba-2, Gated DeltaNet) layers."""
-
-_KINDS = {
+KINDS = {
     "FullAttentionSpec": Kind.FULL,
     "MLAAttentionSpec": Kind.MLA,
     "SlidingWindowSpec": Kind.SLIDING,
     "ChunkedLocalAttentionSpec": Kind.CHUNKED,
-    STATE_SPEC: Kind.STATE,
+    "MambaSpec": Kind.STATE,  # Mamba-2, Gated DeltaNet
 }
-"""The kind of each vLLM spec class a layer of another stage may take."""
+"""The kind of each vLLM spec class the connector describes (a layer's, and under PP a
+layer's of another stage)."""
 
 
 def pp_stages(vllm_config: Any) -> tuple[tuple[int, int], ...]:
@@ -65,9 +63,7 @@ def whole_model(
     pp = len(stages)
     assert len(groups) == 1, "several groups: whole_groups"
     idx = sorted(held)
-    stage = next((s for s, (a, b) in enumerate(stages) if idx == list(range(a, b))), None)
-    if stage is None:
-        raise ConfigError(_no_stage(idx, stages))
+    stage = _own_stage(idx, stages, lambda i: True)
     first = held[idx[0]]
     if first.kind is Kind.STATE:
         raise ConfigError(
@@ -98,15 +94,24 @@ def whole_groups(
     held = kv_cache_config.kv_cache_groups
     own = {index(n): (n, g.kv_cache_spec) for g in held for n in g.layer_names}
     kinds = model_kinds(vllm_config, stages[-1][1])
-    stage = _own_stage(sorted(own), kinds, stages)
+    stage = _own_stage(sorted(own), stages, lambda i: kinds[i] is not None)
     by_kind = _spec_of_kind(held)
     merged: dict[str, Any] = {}
     for i, kind in enumerate(kinds):
         if i in own:
             name, spec = own[i]
-            _check_kind(i, spec_kind(spec, name), kind)
+            if spec_kind(spec, name) is not kind:
+                raise ConfigError(
+                    f"layer {i}: vLLM caches it as {spec_kind(spec, name)}, the model's "
+                    f"config makes it {kind}"
+                )
+        elif kind in by_kind:
+            name, spec = f"model.layers.{i}.pp", by_kind[kind]
         elif kind is not None:
-            name, spec = f"model.layers.{i}.pp", _spec_for(i, kind, by_kind)
+            raise ConfigError(
+                f"the model's config makes layer {i} a {kind} layer, but vLLM's KV cache "
+                f"groups have kinds {', '.join(map(str, by_kind))}"
+            )
         else:
             continue
         merged[name] = spec
@@ -142,27 +147,23 @@ def model_kinds(vllm_config: Any, n: int) -> list[Kind | None]:
 
 def spec_kind(spec: Any, where: str) -> Kind:
     """The kind of a vLLM layer spec (several KV shapes in one group: refused)."""
-    kind = _KINDS.get(type(spec).__name__)
+    kind = KINDS.get(type(spec).__name__)
     if kind is None:
         raise ConfigError(
-            f"{where}: vLLM cache kind {type(spec).__name__} under PP with several KV cache "
-            f"groups is not supported (supported: {', '.join(_KINDS)})"
+            f"{where}: vLLM cache kind {type(spec).__name__} is not supported (supported: "
+            f"{', '.join(KINDS)})"
         )
     return kind
 
 
 def _own_stage(
-    idx: list[int], kinds: list[Kind | None], stages: tuple[tuple[int, int], ...]
+    idx: list[int], stages: tuple[tuple[int, int], ...], caching: Callable[[int], bool]
 ) -> int:
-    """The stage whose caching layers (by the model's pattern) are exactly ``idx``."""
+    """The stage whose ``caching`` layers are exactly ``idx`` (sorted)."""
     for s, (a, b) in enumerate(stages):
-        if idx == [i for i in range(a, b) if kinds[i] is not None]:
+        if idx == [i for i in range(a, b) if caching(i)]:
             return s
-    got = f"{idx[0]}..{idx[-1]} ({len(idx)} layers)" if idx else "none"
-    raise ConfigError(
-        f"this PP stage holds KV layers {got}, which are no stage's caching layers of "
-        f"vLLM's partition {list(stages)} by the model's layer pattern"
-    )
+    raise ConfigError(_no_stage(idx, stages, caching))
 
 
 def _spec_of_kind(held: list[Any]) -> dict[Kind, Any]:
@@ -178,22 +179,6 @@ def _spec_of_kind(held: list[Any]) -> dict[Kind, Any]:
                 f"specs ({out[kind]} and {spec}); a layer of another stage could be either"
             )
     return out
-
-
-def _spec_for(i: int, kind: Kind, by_kind: dict[Kind, Any]) -> Any:
-    if kind not in by_kind:
-        raise ConfigError(
-            f"the model's config makes layer {i} a {kind} layer, but vLLM's KV cache "
-            f"groups have kinds {', '.join(map(str, by_kind))}"
-        )
-    return by_kind[kind]
-
-
-def _check_kind(i: int, vllm_kind: Kind, kind: Kind | None) -> None:
-    if vllm_kind is not kind:
-        raise ConfigError(
-            f"layer {i}: vLLM caches it as {vllm_kind}, the model's config makes it {kind}"
-        )
 
 
 def _check_projection(groups: list[Any], held: list[Any], own: set[str]) -> None:
@@ -213,9 +198,11 @@ def _check_projection(groups: list[Any], held: list[Any], own: set[str]) -> None
             )
 
 
-def _no_stage(idx: list[int], stages: tuple[tuple[int, int], ...]) -> str:
-    """Why a PP stage's KV layers ``idx`` (sorted) are no stage's range of ``stages``:
-    what they are beside the stage they overlap most, and the likely cause."""
+def _no_stage(
+    idx: list[int], stages: tuple[tuple[int, int], ...], caching: Callable[[int], bool]
+) -> str:
+    """Why a PP stage's KV layers ``idx`` (sorted) are no stage's ``caching`` layers of
+    ``stages``: what they are beside the stage they overlap most, and the likely cause."""
     got = f"{_ranges(idx)} ({len(idx)} layers)" if idx else "none"
     out = f"this PP stage holds KV layers {got}, which are no stage's layers of vLLM's "
     out += f"partition {list(stages)}"
@@ -223,7 +210,7 @@ def _no_stage(idx: list[int], stages: tuple[tuple[int, int], ...]) -> str:
     n, held = stages[-1][1], set(idx)
     past = [i for i in idx if i >= n]
     other = [i for i in idx if i < n and not a <= i < b]
-    lacks = [i for i in range(a, b) if i not in held]
+    lacks = [i for i in range(a, b) if i not in held and caching(i)]
     if past:
         out += (
             f"; layers {_ranges(past)} lie past the model's {n} layers: likely MTP or "

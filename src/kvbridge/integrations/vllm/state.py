@@ -1,5 +1,5 @@
 """vLLM's Mamba-2 and Gated DeltaNet state (``MambaSpec``) as kvbridge state layers and
-views (see :mod:`kvbridge.integrations.vllm.cache` for where vLLM keeps it)."""
+views (:func:`state_descs`: where vLLM keeps it)."""
 
 from __future__ import annotations
 

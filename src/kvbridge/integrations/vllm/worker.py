@@ -8,12 +8,8 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
-
-import numpy as np
 
 from kvbridge.adapter import Loading, LoadJob, Tally, decode_handle, increase
 from kvbridge.adapter.metrics import Sample
@@ -31,7 +27,7 @@ from kvbridge.integrations.vllm.cache import VllmCache
 from kvbridge.integrations.vllm.config import ConnectorConfig
 from kvbridge.integrations.vllm.gpu_layout import Placement, kernel_tables
 from kvbridge.integrations.vllm.metadata import RankMeta, StepMeta, encode_info
-from kvbridge.integrations.vllm.park import Park, region_tensors
+from kvbridge.integrations.vllm.park import Park
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +81,10 @@ class WorkerSide:
         self._transports.append(t)
         return t
 
-    def register(self, placed: Placement, kv_caches: Mapping[str, Any] | None = None) -> None:
+    def register(self, placed: Placement) -> None:
         """Register this rank's KV memory, described once
-        (:func:`~kvbridge.integrations.vllm.placement.place`), with P's and
-        D's halves as the role asks (P with ``park_blocks``: its park too, beside
-        ``kv_caches``, the tensors ``placed`` describes)."""
+        (:func:`~kvbridge.integrations.vllm.placement.place`), with P's and D's halves as
+        the role asks (P with ``park_blocks``: its park too)."""
         self.splits = placed.splits
         if self.cfg.producer:
             self.producer = ProducerWorker(
@@ -100,13 +95,12 @@ class WorkerSide:
                 memory=placed.memory,
                 device=placed.device,
             )
-            if self.cfg.park_blocks and kv_caches is not None:
-                storages = region_tensors(kv_caches, placed.bases)
-                self.park = Park(placed, storages, self.cfg.park_blocks)
+            if self.cfg.park_blocks:
+                self.park = park = Park(placed, self.cfg.park_blocks)
                 self.park_producer = ProducerWorker(
                     self.rank,
-                    self.park.layout,
-                    self.park.bases,
+                    park.layout,
+                    park.bases,
                     self._transport("park"),
                     memory=placed.memory,
                     device=placed.device,
@@ -134,11 +128,7 @@ class WorkerSide:
         queued on the current stream), so that no handle of the step leaves before them;
         a step without a request prefilled for remote decode (``meta.save``) does not wait."""
         if self.park is not None and meta.parks:  # queued after the step's KV writes
-            src, dst = (
-                [np.concatenate(t) for t in zip(*(o[k] for o in meta.parks), strict=True)]
-                for k in (1, 2)
-            )
-            self.park.copy(src, dst)
+            self.park.copy(meta.parks)
         if self.producer is not None and (meta.save or meta.parks):
             self.producer.written()
 
