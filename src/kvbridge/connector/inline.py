@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvbridge.connector.load import LoadState, Reply, Started, _Load
+from kvbridge.connector.load import LoadState, Started, _Load
 from kvbridge.connector.movers.registry import Rank, launch_early, plan_ready
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.plan.plan import Plan
@@ -42,7 +41,7 @@ def start(d: Starting, job: _Load) -> Started | None:
     peer = d.peers.ready(job.handle)
     if peer is None:
         return None
-    begun, answer = time.monotonic(), None
+    answer = None
     try:
         if plan_ready(d, peer):
             answer = d.leases.try_begin(peer, job)
@@ -60,14 +59,14 @@ def start(d: Starting, job: _Load) -> Started | None:
         if launch_early(d, peer, plan, job):
             job.lap("launch")
     except Exception as e:  # the worker reports it, after P's answer
-        return Started(peer, None, begun, answer, e, t0)
+        return Started(None, answer, e, t0)
     except BaseException:  # the caller's (an interrupt): nothing held past it
         answer.take(quiet=True)
         if job.launched is not None:
             job.launched.finish()
         d.release_peer(peer)
         raise
-    return Started(peer, plan, begun, answer, None, t0)
+    return Started(plan, answer, None, t0)
 
 
 def abandon(d: Starting, job: _Load, started: Started, call: Callable[..., object]) -> None:
@@ -81,19 +80,18 @@ def abandon(d: Starting, job: _Load, started: Started, call: Callable[..., objec
             job.launched.finish()
     with contextlib.suppress(Exception):
         call(d.leases.report_failure, job)
-    d.peers.done(started.peer)
+    if job.peer is not None:
+        d.peers.done(job.peer)
 
 
-def taken_over(job: _Load, started: Started) -> tuple[Peer, Plan, float, Reply]:
-    """A worker takes over a load :func:`start` began: (peer, plan, when ``begin`` was
-    sent, P's answer); its error raised once P's answer was taken (the token goes with
-    ``fail``)."""
+def taken_over(job: _Load, started: Started) -> Plan:
+    """A worker takes over a load :func:`start` began → its plan, or its error raised
+    (the worker takes P's answer before it reports it)."""
     job.lap("handoff")
     if started.plan is None:
-        started.answer.take(quiet=True)
         assert started.error is not None
         raise started.error
-    return started.peer, started.plan, started.begun, started.answer
+    return started.plan
 
 
 __all__ = ["Started", "abandon", "start", "taken_over"]
