@@ -17,8 +17,8 @@ from kvbridge.connector.load import Mode
 from kvbridge.connector.movers.choice import PROBE_TIMEOUT_S, measure
 from kvbridge.connector.movers.registry import Rank
 from kvbridge.connector.peers import Peer, PeerCache, Target
-from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
-from kvbridge.errors import KVBridgeError, PeerError
+from kvbridge.control.messages import PROTOCOL_VERSION, Handshake
+from kvbridge.errors import KVBridgeError
 from kvbridge.plan.tables import checked_tables
 from kvbridge.spec.model import ModelSpec
 
@@ -146,14 +146,7 @@ def _hello(d: Preparing, peer: Peer, target: Target) -> str | None:
     with; None where the channel is in use (connected, then) and nothing was asked."""
     assert peer.fast is not None
     answer = peer.fast.try_send(Handshake(PROTOCOL_VERSION, d.engine_id))
-    if answer is None:
-        return None
-    reply = answer()
-    if not isinstance(reply, HandshakeReply):
-        raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
-    if reply.engine_id != target.engine_id:
-        raise PeerError(f"{target.endpoint} is {reply.engine_id!r}, not {target.engine_id!r}")
-    return reply.epoch
+    return None if answer is None else d.peers.check(answer(), target).epoch
 
 
 __all__ = ["prepare"]

@@ -91,19 +91,11 @@ class LoopbackTransport(Transport):
     def remove_peer(self, name: str) -> None:
         self.peers.discard(name)
 
-    def read(
-        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
+    def _post(
+        self, op: str, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None
     ) -> XferHandle:
-        return self._copy(peer, dst=local, src=remote, nbytes=nbytes, notif=notif, pull=True)
-
-    def write(
-        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
-    ) -> XferHandle:
-        return self._copy(peer, dst=remote, src=local, nbytes=nbytes, notif=notif, pull=False)
-
-    def _copy(
-        self, peer: str, dst: U64, src: U64, nbytes: U64, notif: bytes | None, pull: bool
-    ) -> XferHandle:
+        pull = op == "READ"
+        src, dst = (remote, local) if pull else (local, remote)
         other = self.fabric.agents.get(peer)
         if peer not in self.peers or other is None:
             raise TransportError(f"{self.name}: unknown peer {peer!r}")

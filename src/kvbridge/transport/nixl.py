@@ -30,7 +30,6 @@ from kvbridge.transport.memory import cuda_available  # noqa: E402
 from kvbridge.transport.nixl_meta import Places, seal, unseal  # noqa: E402
 
 __all__ = ["NixlTransport", "NixlXferHandle"]
-_U64 = np.ndarray  # 1-D uint64 (any non-negative integer dtype is accepted)
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +119,11 @@ class NixlTransport(Transport):
         self.threads = threads
         self.name = name
         self._lock = threading.Lock()
-        self._peers: dict[str, bytes] = {}  # name -> sealed metadata
+        self._peers: dict[str, tuple[bytes, Places]] = {}  # name -> sealed metadata, places
         self._live: set[NixlXferHandle] = set()
         self._stuck: list[Any] = []  # NIXL refused to release; retried at close
         self._regs: list[Any] = []
         self._places = Places(np.zeros((0, 4), np.uint64))
-        self._peer_places: dict[str, Places] = {}
         self._closed = False
         # NIXL's wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
         # binding agent made from our config, then instantiate UCX on that (~0.4 s).
@@ -193,7 +191,7 @@ class NixlTransport(Transport):
             raise PeerError(f"peer metadata carries this agent's own name {name!r}")
         md = bytes(metadata)
         with self._lock:
-            known = self._peers.get(name)
+            known = self._peers.get(name, (None,))[0]
         if known == md:
             return name
         if known is not None:
@@ -215,8 +213,7 @@ class NixlTransport(Transport):
         peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         with self._lock:
             if peer == name:
-                self._peers[peer] = md
-                self._peer_places[peer] = Places(table)
+                self._peers[peer] = (md, Places(table))
                 return peer
             if peer not in self._peers:
                 agent.remove_remote_agent(peer)
@@ -227,7 +224,6 @@ class NixlTransport(Transport):
         with self._lock:
             if self._closed or self._peers.pop(name, None) is None:
                 return
-            self._peer_places.pop(name, None)
             doomed = [h for h in self._live if h.peer == name]
         for handle in doomed:
             handle._error, handle.state = TransportError(f"peer {name!r} removed"), XferState.FAILED
@@ -238,34 +234,19 @@ class NixlTransport(Transport):
         with self._lock:
             return sorted(self._peers)
 
-    def read(
-        self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
-    ) -> NixlXferHandle:
-        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``; the
-        copy may finish in this call. :class:`TransportError` for a run outside registered
-        memory (nothing copied), an unknown or dead peer."""
-        return self._post("READ", peer, (local, remote, nbytes), notif)
-
-    def write(
-        self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
-    ) -> NixlXferHandle:
-        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer)."""
-        return self._post("WRITE", peer, (local, remote, nbytes), notif)
-
     def _post(
-        self, op: str, peer: str, arrays: tuple[_U64, _U64, _U64], notif: bytes | None
+        self, op: str, peer: str, local: Any, remote: Any, nbytes: Any, notif: bytes | None
     ) -> NixlXferHandle:
         """Check the runs, build both descriptor lists and post one request."""
         agent = self._check_open()
-        loc, rem, size = (
-            as_u64(n, a) for n, a in zip(["local", "remote", "nbytes"], arrays, strict=True)
-        )
+        loc, rem, size = as_u64("local", local), as_u64("remote", remote), as_u64("nbytes", nbytes)
         if not loc.shape == rem.shape == size.shape:
             shapes = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
             raise TransportError(f"{op} with {peer!r}: need equal lengths, got {shapes}")
         with self._lock:
-            if peer not in self._peers:
-                raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
+            here, known = self._places, self._peers.get(peer)
+        if known is None:
+            raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
         msg, runs, total = bytes(notif or b""), int(size.shape[0]), int(size.sum(dtype=np.uint64))
         if runs == 0:  # NIXL cannot build an empty request
             try:
@@ -274,12 +255,8 @@ class NixlTransport(Transport):
             except _CAUGHT as exc:
                 raise TransportError(f"notify {peer!r}: {exc!r}") from exc
             return NixlXferHandle(self, None, peer, 0, 0)
-        with self._lock:
-            here, there = self._places, self._peer_places.get(peer)
-        if there is None:
-            raise TransportError(f"{op}: peer {peer!r} was removed")
         local_d = _descs(here.kind_devs(loc, "local"), loc, size)
-        remote_d = _descs(there.kind_devs(rem, f"{peer!r}'s"), rem, size)
+        remote_d = _descs(known[1].kind_devs(rem, f"{peer!r}'s"), rem, size)
         try:
             xfer = agent.initialize_xfer(op, local_d, remote_d, peer, msg)
         except _CAUGHT as exc:
