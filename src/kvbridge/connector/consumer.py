@@ -340,10 +340,10 @@ class Consumer:
         checks: list[Check] = []
         if job.pushed and job.peer is not None:
             rid, probe = job.handle.request_id, self._probe.region.addr
-            checks, closers = push_fence_checks(
+            fences = push_fence_checks(
                 job.peer, rid, job.pushed, self.transport, probe, self.engine_id
             )
-            on_end += closers
+            checks, on_end = [*fences], on_end + [f.close for f in fences]
         return Held(out, job.live, checks, on_end)
 
     def await_notifs(self, want: set[bytes], deadline: float) -> None:
