@@ -183,8 +183,7 @@ class Consumer:
             with self._lock:
                 self._loads.pop(handle.request_id, None)
                 self._free += 1
-            if job.started is not None:
-                abandon(self, job, job.started, self._tell_p.submit)
+            abandon(self, job, self._tell_p.submit)
             raise
 
     def release_peer(self, peer: Peer) -> None:
@@ -376,7 +375,7 @@ class Consumer:
         with self._lock:  # started on the caller's thread, then cancelled in the queue
             stranded = [j for j in self._loads.values() if j.started is not None]
         for job in stranded:
-            abandon(self, job, job.started, lambda fn, *a: fn(*a))  # type: ignore[arg-type]
+            abandon(self, job, lambda fn, *a: fn(*a))
         self._renewer.join(timeout=2)
         for item in self.fence.close():
             log.warning("closing with %s still fenced", item.outcome.request_id)

@@ -15,16 +15,22 @@ from kvbridge.connector.load import LoadState, Started, _Load
 from kvbridge.connector.movers.registry import Rank, launch_early, plan_ready
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.plan.plan import Plan
+from kvbridge.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
 
 
 class Starting(Rank, Protocol):
-    """What the inline start uses of a D rank (a
-    :class:`~kvbridge.connector.consumer.Consumer` is one)."""
+    """What the inline start and :func:`~kvbridge.connector.prepare.prepare` use of a D
+    rank (a :class:`~kvbridge.connector.consumer.Consumer` is one)."""
 
     @property
     def peers(self) -> PeerCache: ...
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    def closing(self) -> bool: ...
 
     def release_peer(self, peer: Peer) -> None: ...
 
@@ -69,11 +75,14 @@ def start(d: Starting, job: _Load) -> Started | None:
     return Started(plan, answer, None, t0)
 
 
-def abandon(d: Starting, job: _Load, started: Started, call: Callable[..., object]) -> None:
-    """A load :func:`start` began that no worker will run (:meth:`Consumer.close`, or
-    ``load`` failing after it): P's answer taken (its channel freed), the copies ended,
-    ``fail`` sent (through ``call``: at once, or by another thread), the peer released."""
-    job.started = None
+def abandon(d: Starting, job: _Load, call: Callable[..., object]) -> None:
+    """A load :func:`start` began (``job.started``) that no worker will run
+    (:meth:`Consumer.close`, or ``load`` failing after it): P's answer taken (its channel
+    freed), the copies ended, ``fail`` sent (through ``call``: at once, or by another
+    thread), the peer released."""
+    started, job.started = job.started, None
+    if started is None:
+        return
     started.answer.take(quiet=True)
     if job.launched is not None:
         with contextlib.suppress(Exception):
