@@ -14,8 +14,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
@@ -329,19 +330,15 @@ class Consumer:
 
     def _held(self, job: _Load, out: Outcome) -> Held:
         """What must end before ``out`` (a failure) may reach the engine."""
-        on_end = []
+        on_end: list[Callable[[], None]] = []
         if job.slot is not None and self.stager is not None:
-            pool, slot = self.stager.pool, job.slot
-            on_end.append(lambda: pool.give_back(slot, True))
+            on_end.append(partial(self.stager.pool.give_back, job.slot, True))
         if job.peer is not None:
-            peers, peer = self.peers, job.peer
-            on_end.append(lambda: peers.done(peer))
+            on_end.append(partial(self.peers.done, job.peer))
         checks: list[Check] = []
         if job.pushed and job.peer is not None:
-            rid, probe = job.handle.request_id, self._probe.region.addr
-            fences = push_fence_checks(
-                job.peer, rid, job.pushed, self.transport, probe, self.engine_id
-            )
+            at = (self.transport, self._probe.region.addr, self.engine_id)
+            fences = push_fence_checks(job.peer, job.handle.request_id, job.pushed, *at)
             checks, on_end = [*fences], on_end + [f.close for f in fences]
         return Held(out, job.live, checks, on_end)
 

@@ -16,7 +16,6 @@ import numpy as np
 
 from kvbridge.connector.load import Outcome
 from kvbridge.connector.peers import Peer
-from kvbridge.control.channel import Client
 from kvbridge.control.messages import FenceReply, PushFence
 from kvbridge.errors import KVBridgeError, TransferFailed, TransportError
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState
@@ -168,7 +167,7 @@ class _RankFence:
 
     def __init__(self, peer: Peer, src: int, fence: PushFence, transport: Transport, local: int):
         info = peer.ranks[src]
-        self.client = Client(info.endpoint, peer.secret, FENCE_TIMEOUT_S, peer.keys)
+        self.client = peer.client.sibling(info.endpoint, FENCE_TIMEOUT_S)
         self.fence, self.transport, self.agent = fence, transport, peer.agents.get(src)
         self.local, self.remote = local, info.bases[0] if info.bases else None
         self.probe: XferHandle | None = None

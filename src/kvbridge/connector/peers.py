@@ -51,11 +51,7 @@ class Peer:
     client: Client
     agents: dict[int, str]
     geometry: Geometry
-    secret: bytes
-    timeout_s: float = 5.0
     clients: dict[int, Client] = field(default_factory=dict)
-    keys: Keys | None = None
-    """CURVE keys of the side channels (None: derived from ``secret``)."""
     regions: dict[int, Regions] = field(default_factory=dict)
     """Per P rank, its registered regions (sorted starts, ends): staged spans stay inside."""
     users: int = 0
@@ -77,8 +73,7 @@ class Peer:
 
     def __post_init__(self) -> None:
         if self.fast is None:
-            c = self.client
-            self.fast = Client(c.endpoint, c.secret, c.timeout_ms / 1000, c.keys, c.server)
+            self.fast = self.client.sibling(self.client.endpoint)
 
     def rank_client(self, rank: int) -> Client:
         """Side channel of one P rank (push requests)."""
@@ -86,7 +81,7 @@ class Peer:
         if info is None or not info.endpoint:
             raise PeerError(f"P rank {rank} of {self.engine_id!r} serves no push channel")
         if rank not in self.clients:
-            self.clients[rank] = Client(info.endpoint, self.secret, self.timeout_s, self.keys)
+            self.clients[rank] = self.client.sibling(info.endpoint)
         return self.clients[rank]
 
 
@@ -300,9 +295,6 @@ class PeerCache:
             client,
             agents,
             geometry,
-            self.secret,
-            self.timeout_s,
-            keys=self.keys.toward(reply.engine_id) if self.keys else None,
             regions={
                 i.rank: regions_of(i.bases, lay.regions)
                 for i, lay in zip(reply.ranks, layouts, strict=True)

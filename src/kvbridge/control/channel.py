@@ -168,6 +168,12 @@ class Client:
         self._closed = False
         self._timed_out_at = -float("inf")
 
+    def sibling(self, endpoint: str, timeout_s: float | None = None) -> Client:
+        """A client of ``endpoint``, another channel of the same server instance (one of
+        its ranks'), with this one's secret and keys (and timeout unless ``timeout_s``)."""
+        timeout = self.timeout_ms / 1000 if timeout_s is None else timeout_s
+        return Client(endpoint, self.secret, timeout, self.keys, self.server)
+
     def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
         if self._closed:
             raise TransportError(f"side channel to {self.endpoint} is closed")
