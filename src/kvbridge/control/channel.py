@@ -178,8 +178,8 @@ class Client:
         if self._closed:
             raise TransportError(f"side channel to {self.endpoint} is closed")
         if self._sock is None or self._mon is None:
-            s = self._ctx.socket(zmq.REQ)
-            try:
+            self._sock = s = self._ctx.socket(zmq.REQ)
+            with self._failing():
                 s.setsockopt(zmq.LINGER, 0)
                 secure_client(s, self.keys.toward(self.server) if self.server else self.keys)
                 s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
@@ -187,13 +187,6 @@ class Client:
                 s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
                 self._mon = s.get_monitor_socket(HANDSHAKE_FAILED)
                 s.connect(self.endpoint)
-            except BaseException as e:
-                self._sock = s
-                self._reset()
-                if isinstance(e, zmq.ZMQError):
-                    raise TransportError(f"side channel to {self.endpoint!r}: {e}") from None
-                raise
-            self._sock = s
         else:  # events of an earlier connection must not fail this call
             with contextlib.suppress(zmq.Again):
                 while True:
@@ -287,13 +280,10 @@ class Client:
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
-        """zmq's errors as ours; the socket is dropped (a REQ socket that failed mid-call
-        cannot send again)."""
+        """zmq's errors as ours; on any error the socket is dropped (a REQ socket that
+        failed mid-call cannot send again)."""
         try:
             yield
-        except PeerError:
-            self._reset()
-            raise
         except zmq.Again:
             self._reset()
             self._timed_out_at = time.monotonic()
@@ -304,6 +294,9 @@ class Client:
         except zmq.ZMQError as e:
             self._reset()
             raise TransportError(f"side channel {self.endpoint}: {e}") from None
+        except BaseException:
+            self._reset()
+            raise
 
     def _reset(self) -> None:
         if self._sock is not None:
