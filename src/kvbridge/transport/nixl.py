@@ -11,10 +11,11 @@ needs a deadline (:meth:`NixlTransport.wait`). Measured facts: ``docs/performanc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -23,7 +24,7 @@ from kvbridge import envs
 
 envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading NIXL
 
-from kvbridge.errors import PeerError, TransferFailed, TransportError  # noqa: E402
+from kvbridge.errors import KVBridgeError, PeerError, TransferFailed, TransportError  # noqa: E402
 from kvbridge.layout.tensor import MemKind  # noqa: E402
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState, as_u64  # noqa: E402
 from kvbridge.transport.memory import cuda_available  # noqa: E402
@@ -71,6 +72,15 @@ def _quietly(what: str, call: Callable[..., object], *args: object) -> bool:
         log.warning("NIXL could not %s: %r", what, exc)
         return False
     return True
+
+
+@contextlib.contextmanager
+def _raising(what: str, error: type[KVBridgeError] = TransportError) -> Iterator[None]:
+    """A binding error inside raised as ``error``: ``what`` and the binding's."""
+    try:
+        yield
+    except _CAUGHT as exc:
+        raise error(f"{what}: {exc!r}") from exc
 
 
 def _descs(where: tuple[MemKind, np.ndarray], addrs: np.ndarray, nbytes: np.ndarray) -> Any:
@@ -131,16 +141,12 @@ class NixlTransport(Transport):
         cfg.useProgThread, cfg.pthrDelay = True, delay
         cfg.useListenThread, cfg.captureTelemetry = False, False
         cfg.syncMode = _nb.NIXL_THREAD_SYNC_RW
-        try:
+        with _raising(f"cannot create NIXL agent {name!r}"):
             self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             self._agent.agent = _nb.nixlAgent(name, cfg)
             self._agent.create_backend("UCX", {"num_threads": str(threads)} if threads else {})
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot create NIXL agent {name!r}: {exc!r}") from exc
-        try:
+        with _raising("cannot read UCX memory types"):
             segs = {str(t) for t in self._agent.get_backend_mem_types("UCX")}
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot read UCX memory types: {exc!r}") from exc
         # device memory where UCX here handles VRAM and this process sees a GPU
         vram = any("VRAM" in t for t in segs) and cuda_available()
         self.kinds = frozenset({MemKind.HOST, MemKind.DEVICE} if vram else {MemKind.HOST})
@@ -160,11 +166,9 @@ class NixlTransport(Transport):
             rows = [(r.addr, r.nbytes, r.device) for r in regions if r.kind is kind]
             if not rows:
                 continue
-            try:
+            with _raising(f"cannot register {regions!r}"):
                 reg = _nb.nixlRegDList(_SEG[kind], np.array(rows, dtype=np.uint64))
                 agent.register_memory(reg)
-            except _CAUGHT as exc:
-                raise TransportError(f"cannot register {regions!r}: {exc!r}") from exc
             with self._lock:
                 self._regs.append(reg)
                 self._places = self._places.add([r for r in regions if r.kind is kind])
@@ -172,10 +176,8 @@ class NixlTransport(Transport):
 
     def metadata(self) -> bytes:
         """This agent's metadata (NIXL's, sealed with name and digest) for :meth:`add_peer`."""
-        try:
+        with _raising("cannot read metadata"):
             blob = bytes(self._check_open().get_agent_metadata())
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot read metadata: {exc!r}") from exc
         with self._lock:
             table = self._places.table
         return seal(self.name, blob, table)
@@ -206,10 +208,8 @@ class NixlTransport(Transport):
     def _load(self, name: str, blob: bytes, md: bytes, table: np.ndarray) -> str:
         """Hand ``blob`` to NIXL; remember peer ``name`` with its sealed metadata ``md``."""
         agent = self._check_open()
-        try:
+        with _raising(f"NIXL rejected metadata of peer {name!r}", PeerError):
             loaded = agent.add_remote_agent(blob)
-        except _CAUGHT as exc:
-            raise PeerError(f"NIXL rejected metadata of peer {name!r}: {exc!r}") from exc
         peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         with self._lock:
             if peer == name:
@@ -249,11 +249,9 @@ class NixlTransport(Transport):
             raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
         msg, runs, total = bytes(notif or b""), int(size.shape[0]), int(size.sum(dtype=np.uint64))
         if runs == 0:  # NIXL cannot build an empty request
-            try:
+            with _raising(f"notify {peer!r}"):
                 if msg:
                     agent.send_notif(peer, msg)
-            except _CAUGHT as exc:
-                raise TransportError(f"notify {peer!r}: {exc!r}") from exc
             return NixlXferHandle(self, None, peer, 0, 0)
         local_d = _descs(here.kind_devs(loc, "local"), loc, size)
         remote_d = _descs(known[1].kind_devs(rem, f"{peer!r}'s"), rem, size)
@@ -323,10 +321,8 @@ class NixlTransport(Transport):
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """Drain the notifications received so far as ``(peer name, message)`` pairs."""
-        try:
+        with _raising("cannot read notifications"):
             raw = self._check_open().get_new_notifs()
-        except _CAUGHT as exc:
-            raise TransportError(f"reading notifications failed: {exc!r}") from exc
         return [(str(peer), bytes(m)) for peer, msgs in raw.items() for m in msgs]
 
     def close(self) -> None:
