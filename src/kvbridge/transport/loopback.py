@@ -28,7 +28,6 @@ from kvbridge.transport.memory import byte_tensor
 
 class _Meta(msgspec.Struct, frozen=True):
     name: str
-    regions: list[tuple[int, int]]
 
 
 @dataclass(eq=False)
@@ -75,8 +74,7 @@ class LoopbackTransport(Transport):
         self._tensors.clear()
         self.starts = np.array([r.addr for r in self.regions], np.int64)
         self.ends = np.array([r.addr + r.nbytes for r in self.regions], np.int64)
-        meta = _Meta(self.name, [(r.addr, r.nbytes) for r in self.regions])
-        return msgspec.msgpack.encode(meta)
+        return msgspec.msgpack.encode(_Meta(self.name))
 
     def add_peer(self, metadata: bytes) -> str:
         try:
