@@ -302,13 +302,11 @@ class Consumer:
             job.lap("plan")
 
     def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Answer) -> tuple[str, str, float]:
-        """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where the
-        mover moving it runs early (:func:`~kvbridge.connector.movers.registry.early`: the
-        kernel mover on a GPU reads P's memory in place and asks P nothing), while P
-        answers: the mover takes the answer (``job.answer``) once its copies are launched,
-        before it waits for them. Either way the load counts only if P answered "held";
-        bytes copied under a lease that lapsed, was aborted or another D began fail it
-        (``docs/faults.md``) → (mover, why, lease seconds left at ``begin``)."""
+        """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where its
+        mover runs early (:func:`~kvbridge.connector.movers.registry.early`: the kernel
+        mover on a GPU), while P answers, the mover taking the answer (``job.answer``)
+        once its copies are launched. Either way the load counts only if P answered
+        "held" (``docs/faults.md``) → (mover, why, lease seconds left at ``begin``)."""
         overlap = early(self, job)
         job.move(LoadState.TRANSFER)
         if overlap:

@@ -38,12 +38,9 @@ class Starting(Rank, Protocol):
 
 
 def start(d: Starting, job: _Load) -> Started | None:
-    """``job`` started on the caller's thread, where nothing waits: P known (no
-    handshake), nothing to map or make (:func:`plan_ready`), the peer's fast channel free
-    (:meth:`LeaseCalls.try_begin`); then ``begin`` sent, the plan made, an early mover
-    launched (the kernel mover on a GPU). None, nothing done, where something would
-    wait. An error after ``begin`` went out is kept for the worker, which takes P's
-    answer first."""
+    """``job`` started on the caller's thread (see the module), else None, nothing done,
+    where something would wait (:func:`plan_ready`, :meth:`LeaseCalls.try_begin`). An
+    error after ``begin`` went out is kept for the worker, which takes P's answer first."""
     peer = d.peers.ready(job.handle)
     if peer is None:
         return None

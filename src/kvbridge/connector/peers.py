@@ -66,10 +66,8 @@ class Peer:
     with it (:mod:`kvbridge.connector.prepare`)."""
 
     fast: Client | None = None
-    """A second channel to P for ``begin`` sent from the engine's thread
-    (:meth:`LeaseCalls.try_begin`): only ever taken without waiting, so a load's inline
-    start never waits for, nor makes a worker wait behind, another call in flight.
-    Made with the peer (it connects at its first call)."""
+    """A second channel to P, for ``begin`` sent from the engine's thread
+    (:meth:`LeaseCalls.try_begin`, never waiting): made with the peer."""
 
     def __post_init__(self) -> None:
         if self.fast is None:

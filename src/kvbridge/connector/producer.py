@@ -88,10 +88,8 @@ class ProducerWorker:
         a staged push gathers where they live).
         ``share``: offer D ranks of this node a mapping of the regions, where the memory
         allows one (:mod:`kvbridge.transport.ipc`; D then copies with one kernel)."""
-        self.rank = rank
-        self.memory, self.device = memory, device
-        self.transport = transport
-        self.timeout_s = push_timeout_s
+        self.rank, self.memory, self.device = rank, memory, device
+        self.transport, self.timeout_s = transport, push_timeout_s
         self._peers: dict[bytes, str] = {}
         self._running: dict[tuple[str, str], list[tuple[XferHandle, int | None]]] = {}
         """Writes kept running past their wait, with the staging slot each reads from."""
@@ -226,10 +224,7 @@ class Producer:
         ``host``/``port``: where the side channel binds; ``advertise``: the address D
         connects to, if not ``host`` (see :class:`~kvbridge.control.channel.Server`);
         ``keys``: CURVE keys and allow-list (default: derived from ``secret``)."""
-        self.engine_id = engine_id
-        self.model_id = model_id
-        self.spec = spec
-        self.par = par
+        self.engine_id, self.model_id, self.spec, self.par = engine_id, model_id, spec, par
         self.epoch = secrets.token_hex(8)
         self.leases = LeaseTable(lease_s)
         self.ranks: dict[int, RankInfo] = {}

@@ -43,9 +43,7 @@ class Server:
         keys: Keys | None = None,
         advertise: str = "",
     ):
-        self.handler = handler
-        self.secret = secret
-        self.keys = keys or Keys.from_secret(secret)
+        self.handler, self.secret, self.keys = handler, secret, keys or Keys.from_secret(secret)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -156,10 +154,8 @@ class Client:
         server: str = "",
     ):
         """``server``: the engine id serving ``endpoint`` (its key: :meth:`Keys.toward`)."""
-        self.endpoint = endpoint
-        self.secret = secret
+        self.endpoint, self.secret, self.server = endpoint, secret, server
         self.keys = keys or Keys.from_secret(secret)
-        self.server = server
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._lock = threading.Lock()

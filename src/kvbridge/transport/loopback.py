@@ -57,8 +57,7 @@ class LoopbackTransport(Transport):
     def __init__(self, name: str, fabric: Fabric) -> None:
         if name in fabric.agents:
             raise TransportError(f"agent name {name!r} already on this fabric")
-        self.name = name
-        self.fabric = fabric
+        self.name, self.fabric = name, fabric
         self.starts = np.zeros(0, np.int64)
         self.ends = np.zeros(0, np.int64)
         self.regions: list[Region] = []

@@ -126,8 +126,7 @@ class NixlTransport(Transport):
         threads = envs.ucx_threads() if threads is None else threads
         if not 0 <= threads <= 64:
             raise TransportError(f"UCX worker threads must be 0..64, got {threads}")
-        self.threads = threads
-        self.name = name
+        self.threads, self.name = threads, name
         self._lock = threading.Lock()
         self._peers: dict[str, tuple[bytes, Places]] = {}  # name -> sealed metadata, places
         self._live: set[NixlXferHandle] = set()
