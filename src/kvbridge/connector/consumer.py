@@ -14,8 +14,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
@@ -25,11 +26,11 @@ from kvbridge.connector.inline import abandon, start, taken_over
 from kvbridge.connector.lease_calls import LeaseCalls
 from kvbridge.connector.load import (
     NO_TABLES,
+    Answer,
     LoadState,
     Mode,
     Outcome,
     Policy,
-    Reply,
     Started,
     _Load,
     failed_blocks,
@@ -119,7 +120,7 @@ class Consumer:
             engine_id, spec, par, rank, Bound(layout, tuple(bases)), transport, secret,
             timeout_s=transfer_timeout_s, model_id=model_id, pad_blocks=pad_blocks, keys=keys,
         )  # fmt: skip
-        self.leases = LeaseCalls(engine_id, rank, par.world, self.peers, secret, transfer_timeout_s)
+        self.leases = LeaseCalls(engine_id, rank, par.world, self.peers)
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}
         self._done: list[Outcome] = []
@@ -183,8 +184,7 @@ class Consumer:
             with self._lock:
                 self._loads.pop(handle.request_id, None)
                 self._free += 1
-            if job.started is not None:
-                abandon(self, job, job.started, self._tell_p.submit)
+            abandon(self, job, self._tell_p.submit)
             raise
 
     def release_peer(self, peer: Peer) -> None:
@@ -221,19 +221,30 @@ class Consumer:
 
     def _run_load(self, job: _Load, started: Started | None) -> None:
         t0 = time.perf_counter() if started is None else started.t0
+        answer = None if started is None else started.answer
         try:
             if started is None:
                 job.lap("queue")
                 job.move(LoadState.HANDSHAKE)
-                peer = job.peer = self.peers.get(job.handle, since=job.queued)
+                job.peer = self.peers.get(job.handle, since=job.queued)
                 job.lap("handshake")
-                plan, begun, answer = self._begin(peer, job)
+                answer = self.leases.begin(job.peer, job)
+                plan = self.plan(job.peer, job)  # made while P answers
             else:
-                peer, plan, begun, answer = taken_over(job, started)
-            mover, why, left = self._move(peer, plan, job, answer)
-            late = self._verify(peer, job, time.monotonic() - begun > left * self.trust_lease)
+                plan = taken_over(job, started)
+            assert answer is not None and job.peer is not None
+            mover, why, left = self._move(job.peer, plan, job, answer)
+            job.move(LoadState.VERIFY)
+            late = time.monotonic() - answer.sent > left * self.trust_lease
+            if late:  # ask P whether the lease held after the last byte landed
+                self.leases.call(job.peer, job, "confirm")
+            job.lap("verify")
             job.move(LoadState.DONE)
-            out = Outcome(
+        except Exception as e:  # every failure ends the request, typed in `error`
+            self._failed(job, e, t0, answer)
+            return
+        self._deliver(
+            Outcome(
                 job.handle.request_id,
                 True,
                 plan.nbytes,
@@ -245,54 +256,44 @@ class Consumer:
                 mover=mover,
                 reason=why,
             )
-        except Exception as e:  # every failure ends the request, typed in `error`
-            if not isinstance(e, KVBridgeError):
-                log.exception("load of %s failed", job.handle.request_id)
-            job.state = LoadState.FAILED
-            if started is not None:  # taken already, unless it failed before _move
-                started.answer.take(quiet=True)
-            if job.launched is not None:  # copies started on the engine's thread
-                try:
-                    job.launched.finish()
-                except Exception:
-                    log.exception("ending the copies of %s failed", job.handle.request_id)
-            self._tell_p.submit(self.leases.report_failure, job)
-            out = Outcome(
-                job.handle.request_id,
-                False,
-                seconds=time.perf_counter() - t0,
-                failed_blocks=failed_blocks(self.spec, job),
-                action=self.policy,
-                error=f"{type(e).__name__}: {e}",
-                stages=job.stages,
-            )
-            try:
-                self.fence.hold(self._held(job, out))
-            except Exception:  # never lose the outcome: hold on the transfers alone
-                log.exception("fencing %s failed", job.handle.request_id)
-                self.fence.hold(Held(out, job.live))
-            return
-        self._deliver(out)
+        )
         if late:
-            self.peers.done(peer)
+            self.peers.done(job.peer)
         else:  # P frees the blocks when every D rank has confirmed: tell it, off the path
-            self._tell_p.submit(self.leases.confirm_later, peer, job, time.monotonic())
+            self._tell_p.submit(self.leases.tell, job.peer, job, "confirm", time.monotonic())
 
-    def _begin(self, peer: Peer, job: _Load) -> tuple[Plan, float, Reply]:
-        """``begin`` sent, the plan made while P answers (in a mover's own geometry where
-        one asks for it, :func:`plan_geometry`) → (plan, monotonic time begin was sent,
-        P's answer still to take)."""
-        begun = time.monotonic()
-        answer = self.leases.begin(peer, job)
+    def _failed(self, job: _Load, e: Exception, t0: float, answer: Answer | None) -> None:
+        """``job`` failed with ``e``: P's answer taken (its token goes with ``fail``), the
+        copies started ended, P told, the outcome fenced until nothing can land."""
+        if not isinstance(e, KVBridgeError):
+            log.exception("load of %s failed", job.handle.request_id)
+        job.state = LoadState.FAILED
+        if answer is not None:
+            answer.take(quiet=True)
+        if job.launched is not None:  # copies started on the engine's thread
+            try:
+                job.launched.finish()
+            except Exception:
+                log.exception("ending the copies of %s failed", job.handle.request_id)
+        self._tell_p.submit(self.leases.report_failure, job)
+        out = Outcome(
+            job.handle.request_id,
+            False,
+            seconds=time.perf_counter() - t0,
+            failed_blocks=failed_blocks(self.spec, job),
+            action=self.policy,
+            error=f"{type(e).__name__}: {e}",
+            stages=job.stages,
+        )
         try:
-            plan = self.plan(peer, job)
-        except BaseException:
-            answer.take(quiet=True)  # its token goes with "fail"
-            raise
-        return plan, begun, answer
+            self.fence.hold(self._held(job, out))
+        except Exception:  # never lose the outcome: hold on the transfers alone
+            log.exception("fencing %s failed", job.handle.request_id)
+            self.fence.hold(Held(out, job.live))
 
     def plan(self, peer: Peer, job: _Load) -> Plan:
-        """``job`` planned (in a mover's own geometry where one asks for it)."""
+        """``job`` planned (in a mover's own geometry where one asks for it,
+        :func:`plan_geometry`)."""
         try:
             h = job.handle
             geometry = plan_geometry(self, peer, job)
@@ -300,38 +301,25 @@ class Consumer:
         finally:
             job.lap("plan")
 
-    def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Reply) -> tuple[str, str, float]:
-        """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where the
-        mover moving it runs early (:func:`~kvbridge.connector.movers.registry.early`: the kernel
-        mover on a GPU reads P's memory in place and asks P nothing), while P answers:
-        the mover takes the answer (``job.answer``) once its copies are launched, before
-        it waits for them. Either way the load counts only if P answered "held"; bytes
-        copied under a lease that lapsed, was aborted or another D began fail it
-        (``docs/faults.md``) → (mover, why, lease seconds left at ``begin``)."""
+    def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Answer) -> tuple[str, str, float]:
+        """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where its
+        mover runs early (:func:`~kvbridge.connector.movers.registry.early`: the kernel
+        mover on a GPU), while P answers, the mover taking the answer (``job.answer``)
+        once its copies are launched. Either way the load counts only if P answered
+        "held" (``docs/faults.md``) → (mover, why, lease seconds left at ``begin``)."""
         overlap = early(self, job)
-        try:
-            job.move(LoadState.TRANSFER)
-            if overlap:
-                job.answer = answer.take
-            else:
-                answer.take()
-                job.lap("lease")
-            mover, why = transfer(self, peer, plan, job)
-        finally:
-            answer.take(quiet=True)  # whatever happened: P's token
+        job.move(LoadState.TRANSFER)
+        if overlap:
+            job.answer = answer.take
+        else:
+            answer.take()
+            job.lap("lease")
+        mover, why = transfer(self, peer, plan, job)
         left = answer.take()  # "held", or the load fails here
         job.lap("transfer")
         if overlap:
             job.stages["lease"] = answer.waited  # inside "transfer", while the copies ran
         return mover, why, left
-
-    def _verify(self, peer: Peer, job: _Load, late: bool) -> bool:
-        """A ``late`` load asks P whether the lease held after its last byte landed."""
-        job.move(LoadState.VERIFY)
-        if late:
-            self.leases.call(peer, job, "confirm")
-        job.lap("verify")
-        return late
 
     def _deliver(self, out: Outcome) -> None:
         with self._lock:
@@ -340,20 +328,16 @@ class Consumer:
 
     def _held(self, job: _Load, out: Outcome) -> Held:
         """What must end before ``out`` (a failure) may reach the engine."""
-        on_end = []
+        on_end: list[Callable[[], None]] = []
         if job.slot is not None and self.stager is not None:
-            pool, slot = self.stager.pool, job.slot
-            on_end.append(lambda: pool.give_back(slot, True))
+            on_end.append(partial(self.stager.pool.give_back, job.slot, True))
         if job.peer is not None:
-            peers, peer = self.peers, job.peer
-            on_end.append(lambda: peers.done(peer))
+            on_end.append(partial(self.peers.done, job.peer))
         checks: list[Check] = []
         if job.pushed and job.peer is not None:
-            rid, probe = job.handle.request_id, self._probe.region.addr
-            checks, closers = push_fence_checks(
-                job.peer, rid, job.pushed, self.transport, probe, self.engine_id
-            )
-            on_end += closers
+            at = (self.transport, self._probe.region.addr, self.engine_id)
+            fences = push_fence_checks(job.peer, job.handle.request_id, job.pushed, *at)
+            checks, on_end = [*fences], on_end + [f.close for f in fences]
         return Held(out, job.live, checks, on_end)
 
     def await_notifs(self, want: set[bytes], deadline: float) -> None:
@@ -386,7 +370,7 @@ class Consumer:
         with self._lock:  # started on the caller's thread, then cancelled in the queue
             stranded = [j for j in self._loads.values() if j.started is not None]
         for job in stranded:
-            abandon(self, job, job.started, lambda fn, *a: fn(*a))  # type: ignore[arg-type]
+            abandon(self, job, lambda fn, *a: fn(*a))
         self._renewer.join(timeout=2)
         for item in self.fence.close():
             log.warning("closing with %s still fenced", item.outcome.request_id)

@@ -16,7 +16,6 @@ import numpy as np
 
 from kvbridge.connector.load import Outcome
 from kvbridge.connector.peers import Peer
-from kvbridge.control.channel import Client
 from kvbridge.control.messages import FenceReply, PushFence
 from kvbridge.errors import KVBridgeError, TransferFailed, TransportError
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState
@@ -151,41 +150,26 @@ class ProbeArea:
 
 
 def push_fence_checks(
-    peer: Peer,
-    request_id: str,
-    ranks: list[int],
-    transport: Transport,
-    probe_addr: int,
-    d_engine: str,
-) -> tuple[list[Callable[[], bool]], list[Callable[[], None]]]:
+    peer: Peer, request_id: str, ranks: list[int], d: Transport, probe: int, d_engine: str
+) -> list[_RankFence]:
     """One check per P rank in ``ranks``: True once that rank answered that none of its
     writes for ``request_id`` from D instance ``d_engine`` is running (it then refuses any
-    later push of it), or once a 1-byte READ from it to ``probe_addr`` (D's own) was posted
-    and then failed as NIXL reports it (a killed rank; the probe's limit:
-    ``docs/faults.md``). Also the closers."""
-    checks: list[Callable[[], bool]] = []
-    closers: list[Callable[[], None]] = []
-    for src in sorted(set(ranks)):
-        info = peer.ranks[src]
-        client = Client(info.endpoint, peer.secret, FENCE_TIMEOUT_S, peer.keys)
-        fence = PushFence(request_id, d_engine)
-        check = _RankFence(client, fence, transport, peer.agents.get(src), probe_addr)
-        check.remote = info.bases[0] if info.bases else None
-        checks.append(check)
-        closers.append(check.close)
-    return checks, closers
+    later push of it), or once a 1-byte READ from it to ``probe`` (D's own, over ``d``)
+    was posted and then failed as NIXL reports it (a killed rank; the probe's limit:
+    ``docs/faults.md``). Each is closed once its load is released."""
+    fence = PushFence(request_id, d_engine)
+    return [_RankFence(peer, src, fence, d, probe) for src in sorted(set(ranks))]
 
 
 class _RankFence:
     """Asks one P rank whether its writes for a request ended; if it does not answer,
     probes whether its agent still lives (a stopped or cut-off rank: ask again later)."""
 
-    def __init__(
-        self, client: Client, fence: PushFence, transport: Transport, agent: str | None, local: int
-    ):
-        self.client, self.fence = client, fence
-        self.transport, self.agent, self.local = transport, agent, local
-        self.remote: int | None = None
+    def __init__(self, peer: Peer, src: int, fence: PushFence, transport: Transport, local: int):
+        info = peer.ranks[src]
+        self.client = peer.client.sibling(info.endpoint, FENCE_TIMEOUT_S)
+        self.fence, self.transport, self.agent = fence, transport, peer.agents.get(src)
+        self.local, self.remote = local, info.bases[0] if info.bases else None
         self.probe: XferHandle | None = None
 
     def __call__(self) -> bool:
@@ -198,22 +182,17 @@ class _RankFence:
     def _agent_gone(self) -> bool:
         if self.agent is None or self.remote is None or not self.local:
             return False
-        if self.probe is None:
-            one = np.ones(1, np.uint64)
-            try:
+        try:
+            if self.probe is None:
+                one = np.ones(1, np.uint64)
                 self.probe = self.transport.read(
                     self.agent, one * self.local, one * self.remote, one
                 )
-            except TransferFailed:
-                return True  # posted, and NIXL says it failed: the rank's connection is gone
-            except TransportError:
-                return False  # not posted (e.g. unknown peer): proves nothing, ask again
-        try:
             state = self.transport.poll(self.probe)
-        except TransferFailed:
+        except TransferFailed:  # posted, and NIXL says it failed: the rank's connection is gone
             self.probe = None
-            return True  # the READ failed: the rank's connection is gone
-        except TransportError:
+            return True
+        except TransportError:  # not posted (e.g. unknown peer): proves nothing, ask again
             self.probe = None
             return False
         if state is XferState.DONE:

@@ -8,24 +8,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvbridge.connector.load import LoadState, Reply, Started, _Load
+from kvbridge.connector.load import LoadState, Started, _Load
 from kvbridge.connector.movers.registry import Rank, launch_early, plan_ready
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.plan.plan import Plan
+from kvbridge.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
 
 
 class Starting(Rank, Protocol):
-    """What the inline start uses of a D rank (a
-    :class:`~kvbridge.connector.consumer.Consumer` is one)."""
+    """What the inline start and :func:`~kvbridge.connector.prepare.prepare` use of a D
+    rank (a :class:`~kvbridge.connector.consumer.Consumer` is one)."""
 
     @property
     def peers(self) -> PeerCache: ...
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    def closing(self) -> bool: ...
 
     def release_peer(self, peer: Peer) -> None: ...
 
@@ -33,16 +38,13 @@ class Starting(Rank, Protocol):
 
 
 def start(d: Starting, job: _Load) -> Started | None:
-    """``job`` started on the caller's thread, where nothing waits: P known (no
-    handshake), nothing to map or make (:func:`plan_ready`), the peer's fast channel free
-    (:meth:`LeaseCalls.try_begin`); then ``begin`` sent, the plan made, an early mover
-    launched (the kernel mover on a GPU). None, nothing done, where something would
-    wait. An error after ``begin`` went out is kept for the worker, which takes P's
-    answer first."""
+    """``job`` started on the caller's thread (see the module), else None, nothing done,
+    where something would wait (:func:`plan_ready`, :meth:`LeaseCalls.try_begin`). An
+    error after ``begin`` went out is kept for the worker, which takes P's answer first."""
     peer = d.peers.ready(job.handle)
     if peer is None:
         return None
-    begun, answer = time.monotonic(), None
+    answer = None
     try:
         if plan_ready(d, peer):
             answer = d.leases.try_begin(peer, job)
@@ -60,40 +62,42 @@ def start(d: Starting, job: _Load) -> Started | None:
         if launch_early(d, peer, plan, job):
             job.lap("launch")
     except Exception as e:  # the worker reports it, after P's answer
-        return Started(peer, None, begun, answer, e, t0)
+        return Started(None, answer, e, t0)
     except BaseException:  # the caller's (an interrupt): nothing held past it
         answer.take(quiet=True)
         if job.launched is not None:
             job.launched.finish()
         d.release_peer(peer)
         raise
-    return Started(peer, plan, begun, answer, None, t0)
+    return Started(plan, answer, None, t0)
 
 
-def abandon(d: Starting, job: _Load, started: Started, call: Callable[..., object]) -> None:
-    """A load :func:`start` began that no worker will run (:meth:`Consumer.close`, or
-    ``load`` failing after it): P's answer taken (its channel freed), the copies ended,
-    ``fail`` sent (through ``call``: at once, or by another thread), the peer released."""
-    job.started = None
+def abandon(d: Starting, job: _Load, call: Callable[..., object]) -> None:
+    """A load :func:`start` began (``job.started``) that no worker will run
+    (:meth:`Consumer.close`, or ``load`` failing after it): P's answer taken (its channel
+    freed), the copies ended, ``fail`` sent (through ``call``: at once, or by another
+    thread), the peer released."""
+    started, job.started = job.started, None
+    if started is None:
+        return
     started.answer.take(quiet=True)
     if job.launched is not None:
         with contextlib.suppress(Exception):
             job.launched.finish()
     with contextlib.suppress(Exception):
         call(d.leases.report_failure, job)
-    d.peers.done(started.peer)
+    if job.peer is not None:
+        d.peers.done(job.peer)
 
 
-def taken_over(job: _Load, started: Started) -> tuple[Peer, Plan, float, Reply]:
-    """A worker takes over a load :func:`start` began: (peer, plan, when ``begin`` was
-    sent, P's answer); its error raised once P's answer was taken (the token goes with
-    ``fail``)."""
+def taken_over(job: _Load, started: Started) -> Plan:
+    """A worker takes over a load :func:`start` began → its plan, or its error raised
+    (the worker takes P's answer before it reports it)."""
     job.lap("handoff")
     if started.plan is None:
-        started.answer.take(quiet=True)
         assert started.error is not None
         raise started.error
-    return started.peer, started.plan, started.begun, started.answer
+    return started.plan
 
 
 __all__ = ["Started", "abandon", "start", "taken_over"]

@@ -13,29 +13,21 @@ import time
 from collections.abc import Callable
 
 from kvbridge.connector.handle import TransferHandle
-from kvbridge.connector.load import _Load
+from kvbridge.connector.load import Answer, _Load, checked_reply
 from kvbridge.connector.peers import Peer, PeerCache
 from kvbridge.control.channel import Client
-from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply, Message
-from kvbridge.errors import KVBridgeError, LeaseExpired, PeerError
+from kvbridge.control.messages import LeaseOp, LeaseOpName, LeaseReply
+from kvbridge.errors import KVBridgeError
 
 log = logging.getLogger(__name__)
 
 
 class LeaseCalls:
-    def __init__(
-        self,
-        engine_id: str,
-        rank: int,
-        world: int,
-        peers: PeerCache,
-        secret: bytes,
-        timeout_s: float,
-    ):
+    def __init__(self, engine_id: str, rank: int, world: int, peers: PeerCache):
         self.epoch = secrets.token_hex(8)
         """Names this D rank's start at P (with the engine id and rank)."""
         self.who = (engine_id, self.epoch, rank, world)
-        self.peers, self.secret, self.timeout_s = peers, secret, timeout_s
+        self.peers = peers
         self._turn = threading.Condition()
         self._renewing: _Load | None = None
         """The load whose token-less renew is in flight (its ``begin`` waits for it)."""
@@ -59,7 +51,8 @@ class LeaseCalls:
     def begin(self, peer: Peer, job: _Load) -> Answer:
         """Send ``job``'s ``begin`` (``since`` its queue time); P's answer, to take later
         (the peer's channel stays locked until it is taken: take it soon)."""
-        return Answer(peer.client.send(self.op(job, "begin"), since=job.queued), self, job)
+        sent = time.monotonic()
+        return Answer(peer.client.send(self.op(job, "begin"), since=job.queued), job, sent)
 
     def try_begin(self, peer: Peer, job: _Load) -> Answer | None:
         """:meth:`begin` over the peer's ``fast`` channel, from a thread that must not
@@ -71,46 +64,38 @@ class LeaseCalls:
             if self._renewing is job:
                 return None
             job.peer = peer
-        (engine, epoch, rank, world), h = self.who, job.handle
-        op = LeaseOp("begin", h.request_id, h.lease_id, job.digest, engine, rank, world, epoch, "")
-        reply = None
+        reply, sent = None, time.monotonic()
         try:
-            reply = peer.fast.try_send(op)
+            reply = peer.fast.try_send(self.op(job, "begin"))
         except KVBridgeError:  # the queued load meets it again, typed
             pass
         finally:
             if reply is None:
                 with self._turn:
                     job.peer = None
-        return None if reply is None else Answer(reply, self, job)
+        return None if reply is None else Answer(reply, job, sent)
 
-    def begun(self, job: _Load, reply: Message) -> float:
-        """P's ``begin`` reply checked, its token kept for the rank's later ops → seconds
-        the lease has left."""
-        if isinstance(reply, LeaseReply):
-            job.token, job.refused = reply.token, reply.state in ("refused", "foreign")
-        return checked_reply(job.handle, "begin", reply).remaining_s
+    def tell(self, peer: Peer, job: _Load, op: LeaseOpName, since: float | None = None) -> None:
+        """``op`` at P off the load's path, then ``peer`` released; a failure is logged
+        (P frees the blocks at lease expiry instead). ``since``: as :meth:`Client.call`'s
+        (behind a call that timed out, it fails at once)."""
+        try:
+            self.call(peer, job, op, since)
+        except KVBridgeError as e:
+            doing = "confirming" if op == "confirm" else f"{op} of"
+            log.warning("%s %s at P failed: %s", doing, job.handle.request_id, e)
+        finally:
+            self.peers.done(peer)
 
     def release(self, job: _Load, op: LeaseOpName = "confirm") -> None:
         """``op`` without a token: this rank needs no bytes (``confirm``) or refused the
         load before it began (``fail``); P accepts it only while the rank has not begun."""
         try:
             peer = self.peers.get(job.handle)
-            try:
-                self.call(peer, job, op)
-            finally:
-                self.peers.done(peer)
         except KVBridgeError as e:
             log.warning("%s of %s at P failed: %s", op, job.handle.request_id, e)
-
-    def confirm_later(self, peer: Peer, job: _Load, since: float) -> None:
-        """``since``: its queue time (behind a call that timed out, it fails at once)."""
-        try:
-            self.call(peer, job, "confirm", since=since)
-        except KVBridgeError as e:  # P frees at lease expiry instead
-            log.warning("confirming %s at P failed: %s", job.handle.request_id, e)
-        finally:
-            self.peers.done(peer)
+            return
+        self.tell(peer, job, op)
 
     def report_failure(self, job: _Load) -> None:
         """``fail`` with the ``begin`` token (none if P never answered it: then accepted
@@ -142,7 +127,8 @@ class LeaseCalls:
         if client is None:
             for other in [k for k in clients if k[0] == h.endpoint]:
                 clients.pop(other).close()
-            client = Client(at[0], self.secret, min(self.timeout_s, 1.0), self.peers.keys, at[1])
+            p = self.peers
+            client = Client(at[0], p.secret, min(p.timeout_s, 1.0), p.keys, at[1])
         clients[at] = client  # most recent last
         while len(clients) > 16:
             clients.pop(next(iter(clients))).close()
@@ -162,49 +148,3 @@ class LeaseCalls:
             with self._turn:
                 self._renewing = None
                 self._turn.notify_all()
-
-
-class Answer:
-    """P's reply to a load's ``begin``, taken once (:meth:`take`), then kept: the lease
-    seconds left, or the typed error every later :meth:`take` raises again."""
-
-    def __init__(self, reply: Callable[[], Message], leases: LeaseCalls, job: _Load):
-        self._reply: Callable[[], Message] | None = reply
-        self._leases, self._job = leases, job
-        self._left = 0.0
-        self._error: BaseException | None = None
-        self.waited = 0.0
-        """Seconds spent waiting for the reply."""
-
-    def take(self, quiet: bool = False) -> float:
-        """Wait for the reply (the first call), check it (:meth:`LeaseCalls.begun`: the
-        token is kept) → lease seconds left; ``quiet``: raise nothing (the caller is
-        failing already, or takes the answer again later)."""
-        if self._reply is not None:
-            reply, self._reply = self._reply, None
-            t0 = time.perf_counter()
-            try:
-                self._left = self._leases.begun(self._job, reply())
-            except BaseException as exc:  # kept: no later take may pass unchecked
-                self._error = exc
-            self.waited = time.perf_counter() - t0
-        if self._error is not None and not quiet:
-            raise self._error
-        return self._left
-
-
-def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseReply:
-    """P's answer to ``op``; anything but ``held`` raised as a typed error."""
-    if not isinstance(reply, LeaseReply):
-        raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
-    if reply.state == "mismatch":
-        raise PeerError(f"handle of {h.request_id!r} does not match what P holds for it")
-    if reply.state == "refused":
-        raise PeerError(
-            f"P refused {op} of {h.request_id!r} from this D rank (it began or reported already)"
-        )
-    if reply.state == "foreign":
-        raise PeerError(f"P refused {op} of {h.request_id!r}: {reply.reason} (not this D's lease)")
-    if reply.state != "held":
-        raise LeaseExpired(f"lease of {h.request_id!r} {reply.state} at {op}")
-    return reply

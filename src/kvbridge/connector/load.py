@@ -6,11 +6,12 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvbridge.connector.handle import TransferHandle
 from kvbridge.connector.peers import Peer
-from kvbridge.control.messages import tables_digest
+from kvbridge.control.messages import LeaseOpName, LeaseReply, Message, tables_digest
+from kvbridge.errors import LeaseExpired, PeerError
 from kvbridge.plan.tables import Tables
 from kvbridge.spec.model import ModelSpec
 from kvbridge.transport.base import XferHandle
@@ -20,26 +21,14 @@ if TYPE_CHECKING:
     from kvbridge.plan.plan import Plan
 
 
-class Reply(Protocol):
-    """P's answer to a load's ``begin``, taken once
-    (:class:`~kvbridge.connector.lease_calls.Answer`)."""
-
-    waited: float
-
-    def take(self, quiet: bool = False) -> float: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Started:
     """What a load's start on the engine's thread did (:mod:`kvbridge.connector.inline`):
-    the peer (in use), the plan (None: planning failed with ``error``), when ``begin``
-    was sent, P's answer to take, and the load's start (``perf_counter``: the end of its
-    ``queue`` stage)."""
+    the plan (None: planning failed with ``error``), P's answer to take, and the load's
+    start (``perf_counter``: the end of its ``queue`` stage)."""
 
-    peer: Peer
     plan: Plan | None
-    begun: float
-    answer: Reply
+    answer: Answer
     error: Exception | None
     t0: float
 
@@ -67,14 +56,6 @@ class LoadState(enum.Enum):
     VERIFY = "verify"
     DONE = "done"
     FAILED = "failed"
-
-
-TRANSITIONS = {
-    LoadState.QUEUED: {LoadState.HANDSHAKE, LoadState.FAILED},
-    LoadState.HANDSHAKE: {LoadState.TRANSFER, LoadState.FAILED},
-    LoadState.TRANSFER: {LoadState.VERIFY, LoadState.FAILED},
-    LoadState.VERIFY: {LoadState.DONE, LoadState.FAILED},
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +151,9 @@ class _Load:
             self.digest = tables_digest(self.handle.block_tables, self.handle.n_tokens)
 
     def move(self, to: LoadState) -> None:
-        assert to in TRANSITIONS[self.state], (self.state, to)
+        """The next state of QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE."""
+        order = list(LoadState)
+        assert order.index(to) == order.index(self.state) + 1, (self.state, to)
         self.state = to
 
     def lap(self, stage: str) -> None:
@@ -191,3 +174,53 @@ def failed_blocks(spec: ModelSpec, job: _Load) -> list[list[int]]:
         else:
             out.append([])
     return out
+
+
+class Answer:
+    """P's reply to a load's ``begin`` (sent at ``sent``, ``time.monotonic()``), taken
+    once (:meth:`take`), then kept: the lease seconds left, or the typed error every
+    later :meth:`take` raises again."""
+
+    def __init__(self, reply: Callable[[], Message], job: _Load, sent: float):
+        self._reply: Callable[[], Message] | None = reply
+        self._job, self.sent = job, sent
+        self._left = 0.0
+        self._error: BaseException | None = None
+        self.waited = 0.0
+        """Seconds spent waiting for the reply."""
+
+    def take(self, quiet: bool = False) -> float:
+        """Wait for the reply (the first call), check it, its token kept for the rank's
+        later ops → lease seconds left; ``quiet``: raise nothing (the caller is failing
+        already, or takes the answer again later)."""
+        if self._reply is not None:
+            reply, self._reply = self._reply, None
+            t0, job = time.perf_counter(), self._job
+            try:
+                msg = reply()
+                if isinstance(msg, LeaseReply):
+                    job.token, job.refused = msg.token, msg.state in ("refused", "foreign")
+                self._left = checked_reply(job.handle, "begin", msg).remaining_s
+            except BaseException as exc:  # kept: no later take may pass unchecked
+                self._error = exc
+            self.waited = time.perf_counter() - t0
+        if self._error is not None and not quiet:
+            raise self._error
+        return self._left
+
+
+def checked_reply(h: TransferHandle, op: LeaseOpName, reply: Message) -> LeaseReply:
+    """P's answer to ``op``; anything but ``held`` raised as a typed error."""
+    if not isinstance(reply, LeaseReply):
+        raise PeerError(f"lease {op}: unexpected reply {type(reply).__name__}")
+    rid = h.request_id
+    if reply.state == "mismatch":
+        raise PeerError(f"handle of {rid!r} does not match what P holds for it")
+    if reply.state == "refused":
+        why = "from this D rank (it began or reported already)"
+        raise PeerError(f"P refused {op} of {rid!r} {why}")
+    if reply.state == "foreign":
+        raise PeerError(f"P refused {op} of {rid!r}: {reply.reason} (not this D's lease)")
+    if reply.state != "held":
+        raise LeaseExpired(f"lease of {rid!r} {reply.state} at {op}")
+    return reply

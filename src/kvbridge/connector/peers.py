@@ -22,6 +22,7 @@ from kvbridge.control.messages import (
     PROTOCOL_VERSION,
     Handshake,
     HandshakeReply,
+    Message,
     RankInfo,
     rank_layout,
     rank_regions,
@@ -50,11 +51,7 @@ class Peer:
     client: Client
     agents: dict[int, str]
     geometry: Geometry
-    secret: bytes
-    timeout_s: float = 5.0
     clients: dict[int, Client] = field(default_factory=dict)
-    keys: Keys | None = None
-    """CURVE keys of the side channels (None: derived from ``secret``)."""
     regions: dict[int, Regions] = field(default_factory=dict)
     """Per P rank, its registered regions (sorted starts, ends): staged spans stay inside."""
     users: int = 0
@@ -69,15 +66,12 @@ class Peer:
     with it (:mod:`kvbridge.connector.prepare`)."""
 
     fast: Client | None = None
-    """A second channel to P for ``begin`` sent from the engine's thread
-    (:meth:`LeaseCalls.try_begin`): only ever taken without waiting, so a load's inline
-    start never waits for, nor makes a worker wait behind, another call in flight.
-    Made with the peer (it connects at its first call)."""
+    """A second channel to P, for ``begin`` sent from the engine's thread
+    (:meth:`LeaseCalls.try_begin`, never waiting): made with the peer."""
 
     def __post_init__(self) -> None:
         if self.fast is None:
-            c = self.client
-            self.fast = Client(c.endpoint, c.secret, c.timeout_ms / 1000, c.keys, c.server)
+            self.fast = self.client.sibling(self.client.endpoint)
 
     def rank_client(self, rank: int) -> Client:
         """Side channel of one P rank (push requests)."""
@@ -85,7 +79,7 @@ class Peer:
         if info is None or not info.endpoint:
             raise PeerError(f"P rank {rank} of {self.engine_id!r} serves no push channel")
         if rank not in self.clients:
-            self.clients[rank] = Client(info.endpoint, self.secret, self.timeout_s, self.keys)
+            self.clients[rank] = self.client.sibling(info.endpoint)
         return self.clients[rank]
 
 
@@ -153,12 +147,17 @@ class PeerCache:
         """:meth:`get` where it needs no handshake (the peer is cached, same epoch), else
         None at once."""
         with self._lock:
-            peer = self._peers.get(handle.engine_id)
-            if peer is None or peer.epoch != handle.epoch:
-                return None
-            self._peers[handle.engine_id] = self._peers.pop(handle.engine_id)
-            peer.users += 1
-            return peer
+            return self._use(handle)
+
+    def _use(self, handle: TransferHandle | Target) -> Peer | None:
+        """Under the lock: the peer cached for ``handle``, counted in use (and most
+        recently used), else None."""
+        peer = self._peers.get(handle.engine_id)
+        if peer is None or handle.epoch not in (peer.epoch, _any(handle)):
+            return None
+        self._peers[handle.engine_id] = self._peers.pop(handle.engine_id)
+        peer.users += 1
+        return peer
 
     def get(self, handle: TransferHandle | Target, since: float | None = None) -> Peer:
         """The peer of ``handle`` (handshakes if new or if P restarted: new epoch; a
@@ -170,10 +169,8 @@ class PeerCache:
         asked = time.monotonic() if since is None else since
         while True:
             with self._lock:
-                peer = self._peers.get(eid)
-                if peer is not None and handle.epoch in (peer.epoch, _any(handle)):
-                    self._peers[eid] = self._peers.pop(eid)  # most recently used
-                    peer.users += 1
+                peer = self._use(handle)
+                if peer is not None:
                     return peer
                 failed = self._unreachable.get(handle.endpoint)
                 if failed is not None and failed[0] >= asked:  # while this load waited
@@ -233,14 +230,15 @@ class PeerCache:
         eid = handle.engine_id  # per-instance keys: P must hold the key bound to it
         client = Client(handle.endpoint, self.secret, self.timeout_s, self.keys, eid)
         try:
-            reply = self._ask(client, handle)
+            reply = self.check(client.call(Handshake(PROTOCOL_VERSION, self.engine_id)), handle)
             return self._connect(handle, client, reply, t0)
         except BaseException:
             client.close()
             raise
 
-    def _ask(self, client: Client, handle: TransferHandle | Target) -> HandshakeReply:
-        reply = client.call(Handshake(PROTOCOL_VERSION, self.engine_id))
+    def check(self, reply: Message, handle: TransferHandle | Target) -> HandshakeReply:
+        """P's answer to a handshake, if it is the P ``handle`` names (engine id and epoch)
+        and serves this D's model; else a typed error."""
         if not isinstance(reply, HandshakeReply):
             raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
         if reply.version != PROTOCOL_VERSION:
@@ -295,9 +293,6 @@ class PeerCache:
             client,
             agents,
             geometry,
-            self.secret,
-            self.timeout_s,
-            keys=self.keys.toward(reply.engine_id) if self.keys else None,
             regions={
                 i.rank: regions_of(i.bases, lay.regions)
                 for i, lay in zip(reply.ranks, layouts, strict=True)

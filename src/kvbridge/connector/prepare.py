@@ -9,37 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Protocol
 
 import numpy as np
 
+from kvbridge.connector.inline import Starting
 from kvbridge.connector.load import Mode
 from kvbridge.connector.movers.choice import PROBE_TIMEOUT_S, measure
-from kvbridge.connector.movers.registry import Rank
-from kvbridge.connector.peers import Peer, PeerCache, Target
-from kvbridge.control.messages import PROTOCOL_VERSION, Handshake, HandshakeReply
-from kvbridge.errors import KVBridgeError, PeerError
+from kvbridge.connector.peers import Peer, Target
+from kvbridge.control.messages import PROTOCOL_VERSION, Handshake
+from kvbridge.errors import KVBridgeError
 from kvbridge.plan.tables import checked_tables
-from kvbridge.spec.model import ModelSpec
-
-
-class Preparing(Rank, Protocol):
-    """What :func:`prepare` uses of a D rank (a
-    :class:`~kvbridge.connector.consumer.Consumer` is one)."""
-
-    @property
-    def peers(self) -> PeerCache: ...
-
-    @property
-    def spec(self) -> ModelSpec: ...
-
-    def closing(self) -> bool: ...
-
 
 log = logging.getLogger(__name__)
 
 
-def prepare(d: Preparing, target: Target, companions: bool = True) -> str:
+def prepare(d: Starting, target: Target, companions: bool = True) -> str:
     """Make ``target`` ready for loads that start on the engine's thread → the P epoch
     prepared (a later handle of another epoch handshakes again). A peer cached for an
     epoch P no longer answers with (P restarted) is replaced. Typed errors as a load's
@@ -60,7 +44,7 @@ def prepare(d: Preparing, target: Target, companions: bool = True) -> str:
     return epoch
 
 
-def _prepare(d: Preparing, target: Target) -> tuple[str, tuple[tuple[str, str], ...]]:
+def _prepare(d: Starting, target: Target) -> tuple[str, tuple[tuple[str, str], ...]]:
     peer = d.peers.get(target)
     try:
         epoch = _hello(d, peer, target)
@@ -82,7 +66,7 @@ def _prepare(d: Preparing, target: Target) -> tuple[str, tuple[tuple[str, str], 
         d.peers.done(peer)
 
 
-def _connect(d: Preparing, peer: Peer) -> None:
+def _connect(d: Starting, peer: Peer) -> None:
     """Each source rank's NIXL connections made ahead, into a staging slot (never a KV
     block): pull, one small READ; push and AUTO, the direction probe (a READ, and P's
     WRITE where it serves a push channel, else a READ alone; in :attr:`Mode.AUTO` its
@@ -101,7 +85,7 @@ def _connect(d: Preparing, peer: Peer) -> None:
             return
 
 
-def _probe(d: Preparing, peer: Peer, src: int) -> str:
+def _probe(d: Starting, peer: Peer, src: int) -> str:
     """The direction probe with P rank ``src`` (measured outside ``d.measuring``: loads
     read the pair costs meanwhile) → why it failed ("": it did not)."""
     found = measure(d, peer, src)
@@ -115,7 +99,7 @@ def _probe(d: Preparing, peer: Peer, src: int) -> str:
     return ""
 
 
-def _read(d: Preparing, peer: Peer, src: int) -> str:
+def _read(d: Starting, peer: Peer, src: int) -> str:
     """One READ of up to 4 KiB of P rank ``src``'s first region into a staging slot →
     why it failed ("": it did not)."""
     info, pool = peer.ranks.get(src), d.stager.pool if d.stager else None
@@ -141,19 +125,12 @@ def _read(d: Preparing, peer: Peer, src: int) -> str:
         pool.give_back(slot, done or not posted)
 
 
-def _hello(d: Preparing, peer: Peer, target: Target) -> str | None:
+def _hello(d: Starting, peer: Peer, target: Target) -> str | None:
     """A handshake over ``peer``'s fast channel (it connects it) → the epoch P answers
     with; None where the channel is in use (connected, then) and nothing was asked."""
     assert peer.fast is not None
     answer = peer.fast.try_send(Handshake(PROTOCOL_VERSION, d.engine_id))
-    if answer is None:
-        return None
-    reply = answer()
-    if not isinstance(reply, HandshakeReply):
-        raise PeerError(f"handshake: unexpected reply {type(reply).__name__}")
-    if reply.engine_id != target.engine_id:
-        raise PeerError(f"{target.endpoint} is {reply.engine_id!r}, not {target.engine_id!r}")
-    return reply.epoch
+    return None if answer is None else d.peers.check(answer(), target).epoch
 
 
 __all__ = ["prepare"]

@@ -88,18 +88,15 @@ class ProducerWorker:
         a staged push gathers where they live).
         ``share``: offer D ranks of this node a mapping of the regions, where the memory
         allows one (:mod:`kvbridge.transport.ipc`; D then copies with one kernel)."""
-        self.rank = rank
-        self.memory, self.device = memory, device
-        self.transport = transport
-        self.timeout_s = push_timeout_s
+        self.rank, self.memory, self.device = rank, memory, device
+        self.transport, self.timeout_s = transport, push_timeout_s
         self._peers: dict[bytes, str] = {}
-        self._running: dict[tuple[str, str], list[XferHandle]] = {}
+        self._running: dict[tuple[str, str], list[tuple[XferHandle, int | None]]] = {}
+        """Writes kept running past their wait, with the staging slot each reads from."""
         self._fenced: OrderedDict[tuple[str, str], None] = OrderedDict()
         """Both by (D engine id, request id)."""
         self.ledger = PushLedger()
         """Each load's pushes written once; refusals by cause (``movers/push_gather.py``)."""
-        self._slots: dict[XferHandle, int] = {}
-        """The staging slot each kept write reads from."""
         regions = regions_at(bases, layout.regions, memory, device)
         self.gather: PushGather | None = None
         if secret is not None and push_slots > 0 and regions:
@@ -112,9 +109,8 @@ class ProducerWorker:
             else None
         )
         endpoint = self.server.endpoint if self.server else ""
-        shares = [export(r) for r in regions] if share else []
-        offered = [x for x in shares if x is not None]
-        kept = offered if len(offered) == len(regions) else None
+        shares = [x for x in map(export, regions) if x is not None] if share else []
+        kept = shares if len(shares) == len(regions) else None  # a share per region, or none
         self.info = wire_layout(rank, layout, regions, meta, endpoint, kept)
         reserve_fds()  # a request must not wait for the descriptor table to grow
 
@@ -127,12 +123,12 @@ class ProducerWorker:
         if (msg.d_engine, msg.request_id) in self._fenced:
             self.ledger.refused["fenced"] += 1
             raise PeerError(f"push of {msg.request_id!r} refused: D fenced it after a failure")
-        if any(len(b) % 8 for b in (msg.src, msg.dst, msg.nbytes)):
-            sizes = [len(b) for b in (msg.src, msg.dst, msg.nbytes)]
-            raise PeerError(f"push arrays must be uint64 (multiples of 8 bytes), got {sizes} B")
+        sizes = [len(b) for b in (msg.src, msg.dst, msg.nbytes)]
+        if len(set(sizes)) > 1 or sizes[0] % 8:
+            raise PeerError(
+                f"push arrays must be uint64 (multiples of 8 bytes) of one length, got {sizes} B"
+            )
         src, dst, n = (np.frombuffer(b, dtype="<u8") for b in (msg.src, msg.dst, msg.nbytes))
-        if not src.shape == dst.shape == n.shape:
-            raise PeerError(f"push arrays differ in length: {src.shape} {dst.shape} {n.shape}")
         why = self.ledger.admit(msg)
         if why:
             return PushRefused(msg.request_id, why)
@@ -151,34 +147,29 @@ class ProducerWorker:
             handle, posted = self.transport.write(peer, src, dst, n, msg.notif), int(n.shape[0])
         try:
             self.transport.wait_or_keep(handle, self.timeout_s)
-        except TransferTimeout:
-            self._running.setdefault((msg.d_engine, msg.request_id), []).append(handle)
-            if slot is not None:
-                self._slots[handle] = slot  # back once the write ended
-                slot = None
+        except TransferTimeout:  # its slot back once the write ended
+            self._running.setdefault((msg.d_engine, msg.request_id), []).append((handle, slot))
+            slot = None
             raise
         finally:
             if slot is not None and self.gather is not None:
                 self.gather.release(slot)  # ended: done, or failed as the transport reports
         return PushReply(posted)
 
-    def _ended(self, handle: XferHandle) -> bool:
-        """As :meth:`Transport.ended`; gives back the staging slot of a write that ended."""
-        if not self.transport.ended(handle):
-            return False
-        slot = self._slots.pop(handle, None)
-        if slot is not None and self.gather is not None:
-            self.gather.release(slot)
-        return True
-
     def _sweep(self) -> None:
         """Release kept writes that ended, whoever asks (D may never ask again)."""
         for key in list(self._running):
             self._left(key)
 
-    def _left(self, key: tuple[str, str]) -> list[XferHandle]:
-        """The kept writes of ``key`` still running (those that ended are released)."""
-        left = [h for h in self._running.pop(key, []) if not self._ended(h)]
+    def _left(self, key: tuple[str, str]) -> list[tuple[XferHandle, int | None]]:
+        """The kept writes of ``key`` still running (those that ended are released, their
+        staging slots given back)."""
+        left = []
+        for handle, slot in self._running.pop(key, []):
+            if not self.transport.ended(handle):
+                left.append((handle, slot))
+            elif slot is not None and self.gather is not None:
+                self.gather.release(slot)
         if left:
             self._running[key] = left
         return left
@@ -233,10 +224,7 @@ class Producer:
         ``host``/``port``: where the side channel binds; ``advertise``: the address D
         connects to, if not ``host`` (see :class:`~kvbridge.control.channel.Server`);
         ``keys``: CURVE keys and allow-list (default: derived from ``secret``)."""
-        self.engine_id = engine_id
-        self.model_id = model_id
-        self.spec = spec
-        self.par = par
+        self.engine_id, self.model_id, self.spec, self.par = engine_id, model_id, spec, par
         self.epoch = secrets.token_hex(8)
         self.leases = LeaseTable(lease_s)
         self.ranks: dict[int, RankInfo] = {}

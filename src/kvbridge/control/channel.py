@@ -43,9 +43,7 @@ class Server:
         keys: Keys | None = None,
         advertise: str = "",
     ):
-        self.handler = handler
-        self.secret = secret
-        self.keys = keys or Keys.from_secret(secret)
+        self.handler, self.secret, self.keys = handler, secret, keys or Keys.from_secret(secret)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -156,10 +154,8 @@ class Client:
         server: str = "",
     ):
         """``server``: the engine id serving ``endpoint`` (its key: :meth:`Keys.toward`)."""
-        self.endpoint = endpoint
-        self.secret = secret
+        self.endpoint, self.secret, self.server = endpoint, secret, server
         self.keys = keys or Keys.from_secret(secret)
-        self.server = server
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._lock = threading.Lock()
@@ -168,12 +164,18 @@ class Client:
         self._closed = False
         self._timed_out_at = -float("inf")
 
+    def sibling(self, endpoint: str, timeout_s: float | None = None) -> Client:
+        """A client of ``endpoint``, another channel of the same server instance (one of
+        its ranks'), with this one's secret and keys (and timeout unless ``timeout_s``)."""
+        timeout = self.timeout_ms / 1000 if timeout_s is None else timeout_s
+        return Client(endpoint, self.secret, timeout, self.keys, self.server)
+
     def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
         if self._closed:
             raise TransportError(f"side channel to {self.endpoint} is closed")
         if self._sock is None or self._mon is None:
-            s = self._ctx.socket(zmq.REQ)
-            try:
+            self._sock = s = self._ctx.socket(zmq.REQ)
+            with self._failing():
                 s.setsockopt(zmq.LINGER, 0)
                 secure_client(s, self.keys.toward(self.server) if self.server else self.keys)
                 s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
@@ -181,13 +183,6 @@ class Client:
                 s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
                 self._mon = s.get_monitor_socket(HANDSHAKE_FAILED)
                 s.connect(self.endpoint)
-            except BaseException as e:
-                self._sock = s
-                self._reset()
-                if isinstance(e, zmq.ZMQError):
-                    raise TransportError(f"side channel to {self.endpoint!r}: {e}") from None
-                raise
-            self._sock = s
         else:  # events of an earlier connection must not fail this call
             with contextlib.suppress(zmq.Again):
                 while True:
@@ -281,13 +276,10 @@ class Client:
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
-        """zmq's errors as ours; the socket is dropped (a REQ socket that failed mid-call
-        cannot send again)."""
+        """zmq's errors as ours; on any error the socket is dropped (a REQ socket that
+        failed mid-call cannot send again)."""
         try:
             yield
-        except PeerError:
-            self._reset()
-            raise
         except zmq.Again:
             self._reset()
             self._timed_out_at = time.monotonic()
@@ -298,6 +290,9 @@ class Client:
         except zmq.ZMQError as e:
             self._reset()
             raise TransportError(f"side channel {self.endpoint}: {e}") from None
+        except BaseException:
+            self._reset()
+            raise
 
     def _reset(self) -> None:
         if self._sock is not None:

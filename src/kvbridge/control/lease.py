@@ -119,29 +119,22 @@ class LeaseTable:
             if why:
                 self.refused[why] += 1
                 return LeaseReply(REFUSALS[why], reason=why)
-            if lease.aborting and op.op in ("begin", "renew"):
-                return LeaseReply("expired")
-            if op.op == "begin":
-                token = secrets.token_hex(16)
-                lease.owners[op.d_rank] = Owner(op.d_engine, op.d_epoch, token)
-                lease.d_world = op.d_world
-                self._extend(lease)
+            if op.op in ("begin", "renew"):
+                if lease.aborting:
+                    return LeaseReply("expired")
+                token = secrets.token_hex(16) if op.op == "begin" else ""
+                if token:  # the rank's own from now on: its later ops carry the token
+                    lease.owners[op.d_rank] = Owner(op.d_engine, op.d_epoch, token)
+                    lease.d_world = op.d_world
+                until = min(self.clock() + self.lease_s, lease.granted + self.max_hold_s)
+                lease.deadline = max(lease.deadline, until)
                 return LeaseReply("held", self._left(lease), token=token)
-            if op.op == "renew":
-                self._extend(lease)
-                return LeaseReply("held", self._left(lease))
             # confirm / fail: this D rank is finished with the blocks
             lease.reported.add(op.d_rank)
-            left = self._left(lease)
-            if lease.aborting and lease.owners.keys() <= lease.reported:
-                self._move(lease, LeaseState.ABORTED)
-            elif len(lease.reported) >= op.d_world and lease.owners.keys() <= lease.reported:
-                self._move(lease, LeaseState.DONE)
+            left, done = self._left(lease), lease.owners.keys() <= lease.reported
+            if done and (lease.aborting or len(lease.reported) >= op.d_world):
+                self._move(lease, LeaseState.ABORTED if lease.aborting else LeaseState.DONE)
             return LeaseReply("held", left)
-
-    def _extend(self, lease: Lease) -> None:
-        until = min(self.clock() + self.lease_s, lease.granted + self.max_hold_s)
-        lease.deadline = max(lease.deadline, until)
 
     def _left(self, lease: Lease) -> float:
         return max(lease.deadline - self.clock(), 0.0)

@@ -72,6 +72,10 @@ class Keys:
                 f"bound to {bound[0] if bound else 'no instance'!r}"
             )
 
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP's question (as a server's authenticator): is client key ``key`` allowed?"""
+        return key in self.allowed
+
     @staticmethod
     def from_secret(secret: bytes) -> Keys:
         if not secret:
@@ -203,14 +207,6 @@ def _z85(path: str | Path, name: str, value: object) -> bytes:
     return value.encode()
 
 
-class _AllowList:
-    def __init__(self, keys: frozenset[bytes]) -> None:
-        self.keys = keys
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
-
-
 def secure_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], keys: Keys) -> Any:
     """Make ``sock`` a CURVE server accepting only ``keys.allowed``; returns the ZAP
     authenticator (stop it when the context is done)."""
@@ -218,7 +214,7 @@ def secure_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], keys: Keys) -> A
         raise ConfigError("a side-channel server needs server_public and server_secret")
     auth = zmq.auth.thread.ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback("*", _AllowList(keys.allowed))
+    auth.configure_curve_callback("*", keys)
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
     sock.curve_server = True

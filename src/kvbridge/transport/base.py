@@ -62,15 +62,26 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def remove_peer(self, name: str) -> None: ...
 
-    @abc.abstractmethod
     def read(
         self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
-    ) -> XferHandle: ...
+    ) -> XferHandle:
+        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``; the
+        copy may finish in this call. :class:`TransportError` for a run outside registered
+        memory (nothing copied), an unknown or dead peer."""
+        return self._post("READ", peer, local, remote, nbytes, notif)
 
-    @abc.abstractmethod
     def write(
         self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
-    ) -> XferHandle: ...
+    ) -> XferHandle:
+        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer)."""
+        return self._post("WRITE", peer, local, remote, nbytes, notif)
+
+    def _post(
+        self, op: str, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None
+    ) -> XferHandle:
+        """What :meth:`read` (``op`` "READ") and :meth:`write` ("WRITE") post: a transport
+        implements this, or both of them."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def poll(self, handle: XferHandle) -> XferState:

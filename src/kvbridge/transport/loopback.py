@@ -28,7 +28,6 @@ from kvbridge.transport.memory import byte_tensor
 
 class _Meta(msgspec.Struct, frozen=True):
     name: str
-    regions: list[tuple[int, int]]
 
 
 @dataclass(eq=False)
@@ -58,8 +57,7 @@ class LoopbackTransport(Transport):
     def __init__(self, name: str, fabric: Fabric) -> None:
         if name in fabric.agents:
             raise TransportError(f"agent name {name!r} already on this fabric")
-        self.name = name
-        self.fabric = fabric
+        self.name, self.fabric = name, fabric
         self.starts = np.zeros(0, np.int64)
         self.ends = np.zeros(0, np.int64)
         self.regions: list[Region] = []
@@ -75,8 +73,7 @@ class LoopbackTransport(Transport):
         self._tensors.clear()
         self.starts = np.array([r.addr for r in self.regions], np.int64)
         self.ends = np.array([r.addr + r.nbytes for r in self.regions], np.int64)
-        meta = _Meta(self.name, [(r.addr, r.nbytes) for r in self.regions])
-        return msgspec.msgpack.encode(meta)
+        return msgspec.msgpack.encode(_Meta(self.name))
 
     def add_peer(self, metadata: bytes) -> str:
         try:
@@ -91,19 +88,11 @@ class LoopbackTransport(Transport):
     def remove_peer(self, name: str) -> None:
         self.peers.discard(name)
 
-    def read(
-        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
+    def _post(
+        self, op: str, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None
     ) -> XferHandle:
-        return self._copy(peer, dst=local, src=remote, nbytes=nbytes, notif=notif, pull=True)
-
-    def write(
-        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
-    ) -> XferHandle:
-        return self._copy(peer, dst=remote, src=local, nbytes=nbytes, notif=notif, pull=False)
-
-    def _copy(
-        self, peer: str, dst: U64, src: U64, nbytes: U64, notif: bytes | None, pull: bool
-    ) -> XferHandle:
+        pull = op == "READ"
+        src, dst = (remote, local) if pull else (local, remote)
         other = self.fabric.agents.get(peer)
         if peer not in self.peers or other is None:
             raise TransportError(f"{self.name}: unknown peer {peer!r}")

@@ -11,10 +11,11 @@ needs a deadline (:meth:`NixlTransport.wait`). Measured facts: ``docs/performanc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -23,14 +24,13 @@ from kvbridge import envs
 
 envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading NIXL
 
-from kvbridge.errors import PeerError, TransferFailed, TransportError  # noqa: E402
+from kvbridge.errors import KVBridgeError, PeerError, TransferFailed, TransportError  # noqa: E402
 from kvbridge.layout.tensor import MemKind  # noqa: E402
 from kvbridge.transport.base import Region, Transport, XferHandle, XferState, as_u64  # noqa: E402
 from kvbridge.transport.memory import cuda_available  # noqa: E402
 from kvbridge.transport.nixl_meta import Places, seal, unseal  # noqa: E402
 
 __all__ = ["NixlTransport", "NixlXferHandle"]
-_U64 = np.ndarray  # 1-D uint64 (any non-negative integer dtype is accepted)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,15 @@ def _quietly(what: str, call: Callable[..., object], *args: object) -> bool:
         log.warning("NIXL could not %s: %r", what, exc)
         return False
     return True
+
+
+@contextlib.contextmanager
+def _raising(what: str, error: type[KVBridgeError] = TransportError) -> Iterator[None]:
+    """A binding error inside raised as ``error``: ``what`` and the binding's."""
+    try:
+        yield
+    except _CAUGHT as exc:
+        raise error(f"{what}: {exc!r}") from exc
 
 
 def _descs(where: tuple[MemKind, np.ndarray], addrs: np.ndarray, nbytes: np.ndarray) -> Any:
@@ -117,15 +126,13 @@ class NixlTransport(Transport):
         threads = envs.ucx_threads() if threads is None else threads
         if not 0 <= threads <= 64:
             raise TransportError(f"UCX worker threads must be 0..64, got {threads}")
-        self.threads = threads
-        self.name = name
+        self.threads, self.name = threads, name
         self._lock = threading.Lock()
-        self._peers: dict[str, bytes] = {}  # name -> sealed metadata
+        self._peers: dict[str, tuple[bytes, Places]] = {}  # name -> sealed metadata, places
         self._live: set[NixlXferHandle] = set()
         self._stuck: list[Any] = []  # NIXL refused to release; retried at close
         self._regs: list[Any] = []
         self._places = Places(np.zeros((0, 4), np.uint64))
-        self._peer_places: dict[str, Places] = {}
         self._closed = False
         # NIXL's wrapper hard-codes ``pthrDelay = 0``: build it bare (~0.2 ms), swap in a
         # binding agent made from our config, then instantiate UCX on that (~0.4 s).
@@ -133,16 +140,12 @@ class NixlTransport(Transport):
         cfg.useProgThread, cfg.pthrDelay = True, delay
         cfg.useListenThread, cfg.captureTelemetry = False, False
         cfg.syncMode = _nb.NIXL_THREAD_SYNC_RW
-        try:
+        with _raising(f"cannot create NIXL agent {name!r}"):
             self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             self._agent.agent = _nb.nixlAgent(name, cfg)
             self._agent.create_backend("UCX", {"num_threads": str(threads)} if threads else {})
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot create NIXL agent {name!r}: {exc!r}") from exc
-        try:
+        with _raising("cannot read UCX memory types"):
             segs = {str(t) for t in self._agent.get_backend_mem_types("UCX")}
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot read UCX memory types: {exc!r}") from exc
         # device memory where UCX here handles VRAM and this process sees a GPU
         vram = any("VRAM" in t for t in segs) and cuda_available()
         self.kinds = frozenset({MemKind.HOST, MemKind.DEVICE} if vram else {MemKind.HOST})
@@ -162,11 +165,9 @@ class NixlTransport(Transport):
             rows = [(r.addr, r.nbytes, r.device) for r in regions if r.kind is kind]
             if not rows:
                 continue
-            try:
+            with _raising(f"cannot register {regions!r}"):
                 reg = _nb.nixlRegDList(_SEG[kind], np.array(rows, dtype=np.uint64))
                 agent.register_memory(reg)
-            except _CAUGHT as exc:
-                raise TransportError(f"cannot register {regions!r}: {exc!r}") from exc
             with self._lock:
                 self._regs.append(reg)
                 self._places = self._places.add([r for r in regions if r.kind is kind])
@@ -174,10 +175,8 @@ class NixlTransport(Transport):
 
     def metadata(self) -> bytes:
         """This agent's metadata (NIXL's, sealed with name and digest) for :meth:`add_peer`."""
-        try:
+        with _raising("cannot read metadata"):
             blob = bytes(self._check_open().get_agent_metadata())
-        except _CAUGHT as exc:
-            raise TransportError(f"cannot read metadata: {exc!r}") from exc
         with self._lock:
             table = self._places.table
         return seal(self.name, blob, table)
@@ -193,7 +192,7 @@ class NixlTransport(Transport):
             raise PeerError(f"peer metadata carries this agent's own name {name!r}")
         md = bytes(metadata)
         with self._lock:
-            known = self._peers.get(name)
+            known = self._peers.get(name, (None,))[0]
         if known == md:
             return name
         if known is not None:
@@ -208,15 +207,12 @@ class NixlTransport(Transport):
     def _load(self, name: str, blob: bytes, md: bytes, table: np.ndarray) -> str:
         """Hand ``blob`` to NIXL; remember peer ``name`` with its sealed metadata ``md``."""
         agent = self._check_open()
-        try:
+        with _raising(f"NIXL rejected metadata of peer {name!r}", PeerError):
             loaded = agent.add_remote_agent(blob)
-        except _CAUGHT as exc:
-            raise PeerError(f"NIXL rejected metadata of peer {name!r}: {exc!r}") from exc
         peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         with self._lock:
             if peer == name:
-                self._peers[peer] = md
-                self._peer_places[peer] = Places(table)
+                self._peers[peer] = (md, Places(table))
                 return peer
             if peer not in self._peers:
                 agent.remove_remote_agent(peer)
@@ -227,7 +223,6 @@ class NixlTransport(Transport):
         with self._lock:
             if self._closed or self._peers.pop(name, None) is None:
                 return
-            self._peer_places.pop(name, None)
             doomed = [h for h in self._live if h.peer == name]
         for handle in doomed:
             handle._error, handle.state = TransportError(f"peer {name!r} removed"), XferState.FAILED
@@ -238,48 +233,27 @@ class NixlTransport(Transport):
         with self._lock:
             return sorted(self._peers)
 
-    def read(
-        self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
-    ) -> NixlXferHandle:
-        """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``; the
-        copy may finish in this call. :class:`TransportError` for a run outside registered
-        memory (nothing copied), an unknown or dead peer."""
-        return self._post("READ", peer, (local, remote, nbytes), notif)
-
-    def write(
-        self, peer: str, local: _U64, remote: _U64, nbytes: _U64, notif: bytes | None = None
-    ) -> NixlXferHandle:
-        """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer)."""
-        return self._post("WRITE", peer, (local, remote, nbytes), notif)
-
     def _post(
-        self, op: str, peer: str, arrays: tuple[_U64, _U64, _U64], notif: bytes | None
+        self, op: str, peer: str, local: Any, remote: Any, nbytes: Any, notif: bytes | None
     ) -> NixlXferHandle:
         """Check the runs, build both descriptor lists and post one request."""
         agent = self._check_open()
-        loc, rem, size = (
-            as_u64(n, a) for n, a in zip(["local", "remote", "nbytes"], arrays, strict=True)
-        )
+        loc, rem, size = as_u64("local", local), as_u64("remote", remote), as_u64("nbytes", nbytes)
         if not loc.shape == rem.shape == size.shape:
             shapes = f"local {loc.shape}, remote {rem.shape}, nbytes {size.shape}"
             raise TransportError(f"{op} with {peer!r}: need equal lengths, got {shapes}")
         with self._lock:
-            if peer not in self._peers:
-                raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
+            here, known = self._places, self._peers.get(peer)
+        if known is None:
+            raise TransportError(f"{op}: unknown peer {peer!r}; add_peer() it first")
         msg, runs, total = bytes(notif or b""), int(size.shape[0]), int(size.sum(dtype=np.uint64))
         if runs == 0:  # NIXL cannot build an empty request
-            try:
+            with _raising(f"notify {peer!r}"):
                 if msg:
                     agent.send_notif(peer, msg)
-            except _CAUGHT as exc:
-                raise TransportError(f"notify {peer!r}: {exc!r}") from exc
             return NixlXferHandle(self, None, peer, 0, 0)
-        with self._lock:
-            here, there = self._places, self._peer_places.get(peer)
-        if there is None:
-            raise TransportError(f"{op}: peer {peer!r} was removed")
         local_d = _descs(here.kind_devs(loc, "local"), loc, size)
-        remote_d = _descs(there.kind_devs(rem, f"{peer!r}'s"), rem, size)
+        remote_d = _descs(known[1].kind_devs(rem, f"{peer!r}'s"), rem, size)
         try:
             xfer = agent.initialize_xfer(op, local_d, remote_d, peer, msg)
         except _CAUGHT as exc:
@@ -346,10 +320,8 @@ class NixlTransport(Transport):
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """Drain the notifications received so far as ``(peer name, message)`` pairs."""
-        try:
+        with _raising("cannot read notifications"):
             raw = self._check_open().get_new_notifs()
-        except _CAUGHT as exc:
-            raise TransportError(f"reading notifications failed: {exc!r}") from exc
         return [(str(peer), bytes(m)) for peer, msgs in raw.items() for m in msgs]
 
     def close(self) -> None:
