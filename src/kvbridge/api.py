@@ -21,7 +21,6 @@ Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Ou
 Errors                    KVBridgeError and its subclasses
 """
 
-from kvbridge import _API
 from kvbridge.connector import (
     Consumer,
     LoadState,
@@ -95,5 +94,5 @@ from kvbridge.transport import (
     transport_names,
 )
 
-__all__ = sorted(_API)
-"""The names listed in :data:`kvbridge._API`, each imported above."""
+__all__ = sorted(name for name in dir() if not name.startswith("_"))
+"""Every name imported above: the API, and what ``kvbridge.<name>`` gives."""
