@@ -132,7 +132,12 @@ def warnings(report: Report, max_memory: int | None = None) -> list[str]:
             f"block sizes {p.block_size} (P) and {d.block_size} (D) do not divide each other: runs "
             f"break at both sides' block boundaries; equal or dividing sizes keep them long"
         )
-    out.extend(_replication_notes(report.info, d))
+    out.extend(
+        f"{name}={units} < D TP {d.tp}: each unit is replicated on {d.tp // units} "
+        f"D ranks, which all receive it (a smaller D TP moves fewer bytes)"
+        for name, units in report.info.sharded
+        if units < d.tp
+    )
     return out
 
 
@@ -169,15 +174,6 @@ def _sides(p_layout: str, d_layout: str) -> str:
     if p_layout == d_layout:
         return f"{p_layout.upper()} on P and D"
     return f"{p_layout.upper()} on P, {d_layout.upper()} on D"
-
-
-def _replication_notes(info: ModelInfo, d: SideConfig) -> list[str]:
-    return [
-        f"{name}={units} < D TP {d.tp}: each unit is replicated on {d.tp // units} "
-        f"D ranks, which all receive it (a smaller D TP moves fewer bytes)"
-        for name, units in info.sharded
-        if units < d.tp
-    ]
 
 
 @dataclass
