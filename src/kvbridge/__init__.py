@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     """A name of :mod:`kvbridge.api`, loaded on first use; never for a submodule's name
     (``from kvbridge import catalog`` asks for it first, and must not load the API)."""
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is None:
+    public = name.isidentifier() and not name.startswith("_")
+    if public and importlib.util.find_spec(f"{__name__}.{name}") is None:
         api = importlib.import_module("kvbridge.api")
         if name in api.__all__:
             globals()[name] = value = getattr(api, name)
