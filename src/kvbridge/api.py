@@ -23,7 +23,6 @@ Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Ou
 Errors                    KVBridgeError and its subclasses
 """
 
-from kvbridge import _API
 from kvbridge.connector import (
     Consumer,
     LoadState,
@@ -99,5 +98,5 @@ from kvbridge.transport import (
 )
 from kvbridge.transport.memory import byte_tensor
 
-__all__ = sorted(_API)
-"""The names listed in :data:`kvbridge._API`, each imported above."""
+__all__ = sorted(name for name in dir() if not name.startswith("_"))
+"""Every name imported above: the API, and what ``kvbridge.<name>`` gives."""

@@ -115,7 +115,7 @@ def test_sizes() -> None:
 
 def test_side_type_accepts_every_registered_layout() -> None:
     for name in layout_names():
-        assert types.side(f"layout={name}").get("layout") == name
+        assert types.side(f"layout={name}").given == (("layout", name),)
 
 
 def test_plan_side_takes_block_and_layout_from_the_other(

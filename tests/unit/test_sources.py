@@ -13,7 +13,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.spec.load import load_model
 from kvbridge.spec.model import ModelSpec
 from kvbridge.spec.parallel import Parallel, shard_interval
-from kvbridge.topology.sources import layers_of_rank, sources
+from kvbridge.topology.sources import sources
 
 PAIRS = [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((3, 1), (2, 1)), ((1, 1), (4, 1)), ((2, 2), (4, 1))]
 
@@ -22,9 +22,9 @@ def reference(
     spec: ModelSpec, p_par: Parallel, d_par: Parallel, d_rank: int
 ) -> dict[tuple[int, str, int, int], int]:
     """(layer, stream, segment, unit) → P global rank, one unit at a time."""
-    _, d_tp = d_par.coords(d_rank)
+    d_stage, d_tp = d_par.coords(d_rank)
     out: dict[tuple[int, str, int, int], int] = {}
-    for li in layers_of_rank(spec, d_par, d_rank):
+    for li in range(*d_par.stage_ranges(len(spec.layers))[d_stage]):
         stage = p_par.stage_of_layer(li, len(spec.layers))
         for s in spec.layers[li].streams:
             for k, seg in enumerate(s.segments):

@@ -9,6 +9,7 @@ import argparse
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 
 SIDE_KEYS = ("tp", "pp", "block", "layout")
 _INT = re.compile(r"[+-]?\d+")
@@ -17,19 +18,15 @@ SEED_MAX = 2**63 - 1
 
 
 def _integer(text: str) -> int:
-    """``"5000"``, ``"1_000"`` or an integral ``"1e7"`` → int; anything else a type error."""
+    """``"5000"``, ``"1_000"`` or an integral ``"1e7"`` (exponent ≤ 18) → int; anything
+    else a type error."""
     s = text.strip().replace("_", "")
     if _INT.fullmatch(s):
         return int(s)
-    if _SCI.fullmatch(s):
-        mantissa, _, exp = s.lower().partition("e")
-        whole, _, frac = mantissa.partition(".")
-        shift = int(exp) - len(frac)
-        digits = int(whole + frac)
-        if shift >= 0 and int(exp) <= 18:
-            return digits * 10**shift
-        if shift < 0 and digits % 10**-shift == 0:
-            return digits // 10**-shift
+    if _SCI.fullmatch(s) and int(s.lower().partition("e")[2]) <= 18:
+        number = Decimal(s)
+        if number == number.to_integral_value():
+            return int(number)
     raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
 
 
@@ -73,9 +70,6 @@ class SideSpec:
     The command decides where omitted keys come from (see :meth:`resolve`)."""
 
     given: tuple[tuple[str, int | str], ...] = ()
-
-    def get(self, key: str) -> int | str | None:
-        return dict(self.given).get(key)
 
     def resolve(self, *fallbacks: dict[str, int | str]) -> tuple[dict[str, int | str], list[str]]:
         """Every key: the given value, else the first fallback that has it. Returns the

@@ -12,23 +12,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvbridge import catalog
 from kvbridge.cli.args import SideSpec
 from kvbridge.errors import ConfigError, SpecError
 from kvbridge.jsonio import dumps
 from kvbridge.layout.side import SideConfig
 from kvbridge.plan.dry_run import RankPlan, dry_run, pool_size
 from kvbridge.spec.dtypes import DType, parse_dtype
+from kvbridge.spec.hf import load_config
 from kvbridge.spec.info import ModelInfo
-from kvbridge.spec.load import load_model
+from kvbridge.spec.load import load_model, model_path
 from kvbridge.spec.model import Kind
 
 SMALL_RUN = 16 * 1024
@@ -134,7 +132,12 @@ def warnings(report: Report, max_memory: int | None = None) -> list[str]:
             f"block sizes {p.block_size} (P) and {d.block_size} (D) do not divide each other: runs "
             f"break at both sides' block boundaries; equal or dividing sizes keep them long"
         )
-    out.extend(_replication_notes(report.info, d))
+    out.extend(
+        f"{name}={units} < D TP {d.tp}: each unit is replicated on {d.tp // units} "
+        f"D ranks, which all receive it (a smaller D TP moves fewer bytes)"
+        for name, units in report.info.sharded
+        if units < d.tp
+    )
     return out
 
 
@@ -171,15 +174,6 @@ def _sides(p_layout: str, d_layout: str) -> str:
     if p_layout == d_layout:
         return f"{p_layout.upper()} on P and D"
     return f"{p_layout.upper()} on P, {d_layout.upper()} on D"
-
-
-def _replication_notes(info: ModelInfo, d: SideConfig) -> list[str]:
-    return [
-        f"{name}={units} < D TP {d.tp}: each unit is replicated on {d.tp // units} "
-        f"D ranks, which all receive it (a smaller D TP moves fewer bytes)"
-        for name, units in info.sharded
-        if units < d.tp
-    ]
 
 
 @dataclass
@@ -242,10 +236,7 @@ def _rank_json(r: RankPlan) -> dict[str, Any]:
         "descriptors": s.descriptors,
         "mean_run_bytes": s.bytes_per_descriptor,
         "bytes_by_kind": {k: s.bytes_by_kind.get(k, 0) for k in KINDS},
-        "sources": [
-            {"rank": src.rank, "bytes": src.bytes, "descriptors": src.descriptors}
-            for src in s.sources
-        ],
+        "sources": [asdict(src) for src in s.sources],
     }
 
 
@@ -335,21 +326,9 @@ def estimate(
 def context_length(model: str) -> int | None:
     """``max_position_embeddings`` of the model's ``config.json`` (top level, or in
     ``text_config``); None for spec files and configs without one."""
-    path = Path(model)
-    if not path.exists() and len(path.parts) == 1 and not model.endswith((".json", ".toml")):
-        try:
-            path = catalog.config_path(model)
-        except ConfigError:
-            return None
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix != ".json" or not path.is_file():
-        return None
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
+        data = load_config(model_path(model))
+    except ConfigError:
         return None
     for cfg in (data, data.get("text_config")):
         if isinstance(cfg, dict) and isinstance(cfg.get("max_position_embeddings"), int):

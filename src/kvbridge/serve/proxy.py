@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -61,9 +61,8 @@ class Pool:
         return Pool([Backend(url.rstrip("/")) for url in urls])
 
     def pick(self) -> Backend:
-        turn = next(self._turn)
-        n = len(self.backends)
-        order = [self.backends[(turn + i) % n] for i in range(n)]
+        turn = next(self._turn) % len(self.backends)
+        order = self.backends[turn:] + self.backends[:turn]
         return min(order, key=lambda b: b.in_flight)
 
 
@@ -161,16 +160,12 @@ class Proxy:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.render_metrics)
         app.router.add_get("/v1/models", self.models)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
+        app.cleanup_ctx.append(self._session)
         return app
 
-    async def _start(self, _: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.timeout)
-
-    async def _stop(self, _: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
+    async def _session(self, _: web.Application) -> AsyncIterator[None]:
+        async with aiohttp.ClientSession(timeout=self.timeout) as self.session:
+            yield
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()

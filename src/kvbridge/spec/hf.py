@@ -9,6 +9,7 @@ per-layer cache of each pattern entry, from the architecture's fields, built wit
 from __future__ import annotations
 
 import json
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,16 +55,19 @@ class Dtypes:
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """The JSON object of a ``config.json`` (a directory holding one, or the file)."""
+    """The object of a ``config.json`` (a directory holding one, or the file) or of a
+    spec file (``.toml``, or JSON)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+    toml = p.suffix == ".toml"
     try:
-        data = json.loads(p.read_text())
+        text = p.read_text()
+        data = tomllib.loads(text) if toml else json.loads(text)
     except OSError as e:
         raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not JSON ({e})") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: not {'TOML' if toml else 'JSON'} ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a JSON object, got {type(data).__name__}")
     return data

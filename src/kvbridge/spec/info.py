@@ -55,23 +55,6 @@ class ModelInfo:
         ml = self.model_layers
         return tuple((bisect_left(ml, a), bisect_left(ml, b)) for a, b in split_evenly(n, pp))
 
-    def model_layers_of(self, kind: Kind) -> list[int]:
-        """Model layers holding a cache of ``kind`` (layers without streams hold none)."""
-        return sorted(
-            {
-                m
-                for lay, m in zip(self.spec.layers, self.model_layers, strict=True)
-                if lay.kind is kind and lay.streams
-            }
-        )
-
-    def no_cache_layers(self) -> list[int]:
-        """Model layers that keep no cache at all (Nemotron-H's MLP and MoE blocks)."""
-        cached = {
-            m for lay, m in zip(self.spec.layers, self.model_layers, strict=True) if lay.streams
-        }
-        return [m for m in range(self.num_model_layers) if m not in cached]
-
 
 _GROUP_OF_KIND = {
     Kind.FULL: "attn",

@@ -11,7 +11,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.spec.dtypes import DType
 from kvbridge.spec.hf import from_hf_config, load_config
 from kvbridge.spec.info import ModelInfo
-from kvbridge.spec.specfile import load_spec_file, spec_from_dict
+from kvbridge.spec.specfile import spec_from_dict
 
 
 def load_model(
@@ -19,22 +19,22 @@ def load_model(
 ) -> ModelInfo:
     """The spec of the model at ``path`` (or of the catalog model of that name, if no such
     path exists); a config's name is its directory's name."""
-    p = _resolve(Path(path))
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"{p}: directory has no config.json")
-        p = p / "config.json"
-    data = None if p.suffix == ".toml" else load_config(p)
-    if data is None or "kvbridge_spec" in data:  # a spec file
+    p = model_path(path)
+    data = load_config(p)
+    if p.suffix == ".toml" or "kvbridge_spec" in data:  # a spec file
         if ssm_dtype is not None:
             raise ConfigError("--ssm-dtype: a spec file names the dtype of each state stream")
-        return load_spec_file(p, kv_dtype) if data is None else spec_from_dict(data, kv_dtype)
+        return spec_from_dict(data, kv_dtype)
     name = p.resolve().parent.name if p.name == "config.json" else p.stem
     return from_hf_config(data, name, kv_dtype, ssm_dtype)
 
 
-def _resolve(p: Path) -> Path:
-    """``p``, or the catalog's config for a bare name (one path part, not a file name)."""
+def model_path(path: str | Path) -> Path:
+    """The file ``path`` names: itself, a directory's ``config.json``, or for a bare name
+    (one path part, not a file name) the catalog's config."""
+    p = Path(path)
+    if p.is_dir():
+        return p / "config.json"
     if p.exists() or len(p.parts) != 1 or p.name.endswith((".json", ".toml")):
         return p
     return catalog.config_path(p.name)

@@ -5,7 +5,6 @@ can say."""
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from kvbridge.errors import ConfigError
 from kvbridge.spec.build import attention, mla
 from kvbridge.spec.dtypes import DType
+from kvbridge.spec.hf import load_config
 from kvbridge.spec.hf_fields import Fields
 from kvbridge.spec.info import ModelInfo, default_groups
 from kvbridge.spec.model import Group, Kind, Layer, ModelSpec, Segment, Stream
@@ -28,17 +28,7 @@ _GROUP_KEYS = {"name", "layers", "block_size"}
 def load_spec_file(path: str | Path, kv_dtype: DType | None = None) -> ModelInfo:
     """Read a ``.toml`` or ``.json`` spec file. ``kv_dtype`` replaces the dtype of every
     per-token stream whose segments are given in elements."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'JSON'} ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected an object at the top level")
-    return spec_from_dict(data, kv_dtype)
+    return spec_from_dict(load_config(path), kv_dtype)
 
 
 def spec_from_dict(data: Mapping[str, Any], kv_dtype: DType | None = None) -> ModelInfo:

@@ -27,20 +27,14 @@ class Piece:
     stop: int
 
 
-def layers_of_rank(spec: ModelSpec, par: Parallel, rank: int) -> range:
-    stage, _ = par.coords(rank)
-    lo, hi = par.stage_ranges(len(spec.layers))[stage]
-    return range(lo, hi)
-
-
 def sources(spec: ModelSpec, p_par: Parallel, d_par: Parallel, d_rank: int) -> list[Piece]:
     """Every piece D rank ``d_rank`` needs, with the P global rank that serves it."""
     spec.check_tp(p_par.tp)
     spec.check_tp(d_par.tp)
-    _, d_tp = d_par.coords(d_rank)
+    d_stage, d_tp = d_par.coords(d_rank)
     n_layers = len(spec.layers)
     pieces: list[Piece] = []
-    for li in layers_of_rank(spec, d_par, d_rank):
+    for li in range(*d_par.stage_ranges(n_layers)[d_stage]):
         p_stage = p_par.stage_of_layer(li, n_layers)
         for s in spec.layers[li].streams:
             for seg_i, seg in enumerate(s.segments):
