@@ -4,23 +4,94 @@ The public API is :mod:`kvbridge.api`; its names are also reachable here
 (``kvbridge.Consumer``), imported on first use so that ``import kvbridge`` stays cheap."""
 
 import importlib
-import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
 
+_API = frozenset(
+    {
+        "Bound",
+        "ConfigError",
+        "Consumer",
+        "DType",
+        "Geometry",
+        "Group",
+        "IdentityError",
+        "IncompatibleError",
+        "KVBridgeError",
+        "Keys",
+        "Kind",
+        "Layer",
+        "LayoutError",
+        "LeaseExpired",
+        "LoadState",
+        "MemKind",
+        "Mode",
+        "ModelInfo",
+        "ModelSpec",
+        "Outcome",
+        "Parallel",
+        "PeerError",
+        "Plan",
+        "PlanError",
+        "Policy",
+        "Producer",
+        "ProducerWorker",
+        "PromptMismatch",
+        "RankInfo",
+        "RankLayout",
+        "Region",
+        "RegionSet",
+        "Segment",
+        "Side",
+        "SideConfig",
+        "SpecError",
+        "Stream",
+        "Tables",
+        "TensorDesc",
+        "TopologyError",
+        "TransferFailed",
+        "TransferHandle",
+        "TransferTimeout",
+        "Transport",
+        "TransportError",
+        "View",
+        "XferHandle",
+        "XferState",
+        "attention",
+        "build_layout",
+        "byte_tensor",
+        "checked_tables",
+        "from_hf_config",
+        "gated_deltanet",
+        "group_by_kind",
+        "kimi_delta",
+        "layout_names",
+        "load_model",
+        "make_transport",
+        "mamba1",
+        "mamba2",
+        "mla",
+        "parse_dtype",
+        "read_runs",
+        "register_layout",
+        "register_transport",
+        "rows_copy",
+        "shard_interval",
+        "state_tensor",
+        "tensor_views",
+        "transport_names",
+    }
+)
+"""The names of :mod:`kvbridge.api` (its ``__all__``); listed here so that a submodule
+import such as ``from kvbridge import catalog`` never loads the API."""
+
 
 def __getattr__(name: str) -> Any:
-    """A name of :mod:`kvbridge.api`, loaded on first use; never for a submodule's name
-    (``from kvbridge import catalog`` asks for it first, and must not load the API)."""
-    public = name.isidentifier() and not name.startswith("_")
-    if public and importlib.util.find_spec(f"{__name__}.{name}") is None:
-        api = importlib.import_module("kvbridge.api")
-        if name in api.__all__:
-            globals()[name] = value = getattr(api, name)
-            return value
+    if name in _API:
+        return getattr(importlib.import_module("kvbridge.api"), name)
     raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *importlib.import_module("kvbridge.api").__all__])
+    return sorted([*globals(), *_API])

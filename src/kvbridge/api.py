@@ -17,12 +17,15 @@ Move bytes                make_transport, register_transport, transport_names,
                           Transport, Region, XferHandle, XferState; read_runs (post a
                           plan's runs by READ in requests, wait for them by a deadline);
                           local copies where the memory is (CPU or GPU): byte_tensor
-                          (a Region as a uint8 tensor), rows_copy (equal-length runs)
+                          (a Region as a uint8 tensor aliasing it: the caller keeps the
+                          memory alive), rows_copy (equal-length runs, each checked inside
+                          its tensor; overlapping destination runs are the caller's bug)
 Connect P and D           Producer, ProducerWorker, Consumer, TransferHandle, Outcome,
                           Mode, Policy, LoadState, Keys, RankInfo
 Errors                    KVBridgeError and its subclasses
 """
 
+from kvbridge import _API
 from kvbridge.connector import (
     Consumer,
     LoadState,
@@ -98,5 +101,5 @@ from kvbridge.transport import (
 )
 from kvbridge.transport.memory import byte_tensor
 
-__all__ = sorted(name for name in dir() if not name.startswith("_"))
-"""Every name imported above: the API, and what ``kvbridge.<name>`` gives."""
+__all__ = sorted(_API)
+"""The names listed in :data:`kvbridge._API`, each imported above."""
