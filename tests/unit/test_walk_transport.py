@@ -221,3 +221,11 @@ def test_a_registered_transport_is_listed_and_takes_its_own_options() -> None:
     assert NAME in transport_names()
     with pytest.raises(TypeError, match="no options"):
         make_transport(NAME, "walk-x", fabric=None)
+
+
+def test_a_transport_without_read_or_write_is_refused_when_made() -> None:
+    class NoWrite(WalkTransport):
+        write = Transport.write  # the abstract one: no way to post a WRITE
+
+    with pytest.raises(TypeError, match="write"):
+        NoWrite("no-write")

@@ -62,26 +62,19 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def remove_peer(self, name: str) -> None: ...
 
+    @abc.abstractmethod
     def read(
         self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle:
         """Post a READ of ``nbytes[i]`` bytes from ``remote[i]`` (peer) to ``local[i]``; the
         copy may finish in this call. :class:`TransportError` for a run outside registered
         memory (nothing copied), an unknown or dead peer."""
-        return self._post("READ", peer, local, remote, nbytes, notif)
 
+    @abc.abstractmethod
     def write(
         self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
     ) -> XferHandle:
         """Post a WRITE of ``nbytes[i]`` bytes from ``local[i]`` to ``remote[i]`` (peer)."""
-        return self._post("WRITE", peer, local, remote, nbytes, notif)
-
-    def _post(
-        self, op: str, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None
-    ) -> XferHandle:
-        """What :meth:`read` (``op`` "READ") and :meth:`write` ("WRITE") post: a transport
-        implements this, or both of them."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def poll(self, handle: XferHandle) -> XferState:
@@ -152,3 +145,23 @@ def as_u64(name: str, values: object) -> np.ndarray:
     if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
         raise TransportError(f"{name} has a negative entry ({int(arr.min())})")
     return arr.astype(np.uint64, copy=False)
+
+
+class PostingTransport(Transport):
+    """A transport whose :meth:`read` and :meth:`write` are one routine, :meth:`_post`
+    (``op`` "READ" or "WRITE"): the loopback's and NIXL's."""
+
+    def read(
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
+    ) -> XferHandle:
+        return self._post("READ", peer, local, remote, nbytes, notif)
+
+    def write(
+        self, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None = None
+    ) -> XferHandle:
+        return self._post("WRITE", peer, local, remote, nbytes, notif)
+
+    @abc.abstractmethod
+    def _post(
+        self, op: str, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None
+    ) -> XferHandle: ...

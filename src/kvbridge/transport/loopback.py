@@ -22,7 +22,7 @@ import torch
 
 from kvbridge.errors import PeerError, TransportError
 from kvbridge.layout.tensor import MemKind
-from kvbridge.transport.base import U64, Region, Transport, XferHandle, XferState
+from kvbridge.transport.base import U64, PostingTransport, Region, XferHandle, XferState
 from kvbridge.transport.memory import byte_tensor
 
 
@@ -51,7 +51,7 @@ class _Handle(XferHandle):
         pass
 
 
-class LoopbackTransport(Transport):
+class LoopbackTransport(PostingTransport):
     kinds = frozenset(MemKind)
 
     def __init__(self, name: str, fabric: Fabric) -> None:

@@ -26,7 +26,13 @@ envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading 
 
 from kvbridge.errors import KVBridgeError, PeerError, TransferFailed, TransportError  # noqa: E402
 from kvbridge.layout.tensor import MemKind  # noqa: E402
-from kvbridge.transport.base import Region, Transport, XferHandle, XferState, as_u64  # noqa: E402
+from kvbridge.transport.base import (  # noqa: E402
+    PostingTransport,
+    Region,
+    XferHandle,
+    XferState,
+    as_u64,
+)
 from kvbridge.transport.memory import cuda_available  # noqa: E402
 from kvbridge.transport.nixl_meta import Places, seal, unseal  # noqa: E402
 
@@ -108,7 +114,7 @@ class NixlXferHandle(XferHandle):
         return f"NixlXferHandle({self.peer!r}, {self.runs} runs, {self.nbytes} B, {self.state})"
 
 
-class NixlTransport(Transport):
+class NixlTransport(PostingTransport):
     """One rank's NIXL agent; ``name`` must be unique among agents that talk.
 
     ``progress_delay_us``: progress thread sleep between polls, µs, > 0 (default
