@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import threading
 import time
 from collections.abc import Callable
 
@@ -171,6 +172,33 @@ def test_pull_is_byte_exact_and_frees_p_blocks_once(world):
     freed = world.producer.freed(wait_for=1)
     assert [(f.request_id, f.reason) for f in freed] == [("r1", LeaseState.DONE)]
     assert world.producer.freed() == []
+
+
+class _Interrupt(BaseException):
+    """Not an Exception: what no load's failure path catches."""
+
+
+def test_an_interrupt_between_begin_and_the_copy_frees_ps_channel(world, monkeypatch):
+    d = world.consumers[0]
+    plan = d.plan
+
+    def interrupted(peer, job):
+        monkeypatch.setattr(d, "plan", plan)  # once
+        raise _Interrupt
+
+    monkeypatch.setattr(d, "plan", interrupted)
+    d.load(*world.request("r1", 45))
+    time.sleep(0.5)  # r1's worker ended by the interrupt, after its begin was sent
+    before = [[b.copy() for b in bufs] for bufs in world.d.bufs]
+    handle, d_tabs = world.request("r2", 45)
+    d.load(handle, d_tabs)
+    (out,) = world.wait(timeout=5)  # not stuck behind r1's untaken answer
+    assert out.ok and out.request_id == "r2", out.error
+    check_bytes(world, before, 45, 0, d_tabs)
+    closing = threading.Thread(target=d.close, daemon=True)  # r1's lease call ends too
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive(), "D's close waits on P's channel r1 left locked"
 
 
 def test_partial_and_full_prefix_hit(world):

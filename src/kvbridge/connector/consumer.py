@@ -243,6 +243,10 @@ class Consumer:
         except Exception as e:  # every failure ends the request, typed in `error`
             self._failed(job, e, t0, answer)
             return
+        except BaseException:  # no load's failure (an interrupt): P's channel freed all the same
+            if answer is not None:
+                answer.take(quiet=True)
+            raise
         self._deliver(
             Outcome(
                 job.handle.request_id,

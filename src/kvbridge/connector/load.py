@@ -58,6 +58,15 @@ class LoadState(enum.Enum):
     FAILED = "failed"
 
 
+_NEXT = {
+    LoadState.QUEUED: LoadState.HANDSHAKE,
+    LoadState.HANDSHAKE: LoadState.TRANSFER,
+    LoadState.TRANSFER: LoadState.VERIFY,
+    LoadState.VERIFY: LoadState.DONE,
+}
+"""A load's one way forward (any state but DONE may end FAILED, set by the failure path)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     request_id: str
@@ -152,8 +161,7 @@ class _Load:
 
     def move(self, to: LoadState) -> None:
         """The next state of QUEUED → HANDSHAKE → TRANSFER → VERIFY → DONE."""
-        order = list(LoadState)
-        assert order.index(to) == order.index(self.state) + 1, (self.state, to)
+        assert _NEXT.get(self.state) is to, (self.state, to)
         self.state = to
 
     def lap(self, stage: str) -> None:
