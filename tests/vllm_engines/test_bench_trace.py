@@ -31,7 +31,7 @@ def test_runs_count_stretches_of_consecutive_ids_and_skip_state_slots() -> None:
 def test_trace_llama_fragmented_pools(models: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(bench._SITECUSTOMIZE)
+    (site / "sitecustomize.py").write_text(bench.SITECUSTOMIZE)
     (case,) = [c for c in bench.CASES if c.name == "llama 128->128"]
     rows = run_trace_case(case, models, str(site), calls=2, rounds=2, progress=print)
     got = {r["connector"]: r for r in rows}
