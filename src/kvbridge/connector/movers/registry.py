@@ -163,6 +163,14 @@ def _kernel_launch(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     job.launched = d.kernel.launch(peer, plan.runs, job.mapped)
 
 
+def _kernel_early(d: Rank) -> bool:
+    return d.kernel is not None and d.kernel.overlap
+
+
+def _kernel_ready(d: Rank, peer: Peer) -> bool:
+    return d.kernel is None or d.kernel.ready(peer)
+
+
 MEASURING = "being measured"
 
 
@@ -270,10 +278,15 @@ def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
 
 
 KERNEL = MoverKind(
-    "kernel", 0, _kernel_serves, _kernel_run, plan_in=_kernel_plan_in,
-    early=lambda d: d.kernel is not None and d.kernel.overlap,
-    ready=lambda d, peer: d.kernel is None or d.kernel.ready(peer), launch=_kernel_launch,
-)  # fmt: skip
+    "kernel",
+    0,
+    _kernel_serves,
+    _kernel_run,
+    plan_in=_kernel_plan_in,
+    early=_kernel_early,
+    ready=_kernel_ready,
+    launch=_kernel_launch,
+)
 register_mover(KERNEL)
 register_mover(MoverKind("push", 10, _serves_in(Mode.PUSH), _push_run))
 register_mover(MoverKind("pull", 20, _serves_in(Mode.PULL), _pull_run))
