@@ -130,7 +130,8 @@ def grid_copy(
             return
         d = (d_t[:, None] + d_ids * d_str).reshape(-1)
         s = (s_t[:, None] + s_ids * s_str).reshape(-1)
-        _torch_copy(dw, d, sw, s, (1, row), divisor % g.size == 0)  # offsets in words
+        whole = divisor % g.size == 0
+        _torch_copy(dw, d, sw, s, units_per_word=1, row=row, whole=whole)  # d, s: in words
 
 
 def _together(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
@@ -179,15 +180,20 @@ def _probe_time(dev: torch.device, size: int) -> float:
     dst = torch.zeros_like(src)
     d_off = (torch.randperm(PROBE_RUNS, generator=gen) * size).to(dev)
     s_off = (torch.randperm(PROBE_RUNS, generator=gen) * size).to(dev)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda _: None
     times = []
     for _ in range(4):
-        sync(dev)
+        _sync(dev)
         t0 = time.perf_counter()
         rows_copy(dst, d_off, src, s_off, size)
-        sync(dev)
+        _sync(dev)
         times.append(time.perf_counter() - t0)
     return min(times[1:])
+
+
+def _sync(dev: torch.device) -> None:
+    """Wait for every copy queued on CUDA device ``dev`` (CPU: nothing to wait for)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def _check_tensors(dst: torch.Tensor, src: torch.Tensor, size: int, divisor: int = 1) -> None:
@@ -272,8 +278,13 @@ def copy_divisor(d_off: np.ndarray, s_off: np.ndarray, size: int, rows: bool = T
 def _word(size: int, divisor: int, *tensors: torch.Tensor) -> int:
     """Bytes per word: the widest of 8, 4, 2, 1 that divides ``size``, ``divisor`` (so
     every offset) and each tensor's address and storage offset (a dtype view needs both)."""
-    need = (size, divisor, *(t.data_ptr() for t in tensors), *(t.storage_offset() for t in tensors))
-    return next((w for w in (8, 4, 2) if all(x % w == 0 for x in need)), 1)
+    must_divide: list[int | torch.SymInt] = [size, divisor]
+    for t in tensors:
+        must_divide += [t.data_ptr(), t.storage_offset()]
+    for w in (8, 4, 2):
+        if all(x % w == 0 for x in must_divide):
+            return w
+    return 1
 
 
 def _words(t: torch.Tensor, w: int) -> torch.Tensor:
@@ -291,7 +302,7 @@ def _copy(
     dw, sw, row = _words(dst, w), _words(src, w), size // w
     if dst.is_cuda and triton_enabled() and triton_copy.copy(dw, _div(d, w), sw, _div(s, w), row):
         return
-    _torch_copy(dw, d, sw, s, (w, row), divisor % size == 0)
+    _torch_copy(dw, d, sw, s, units_per_word=w, row=row, whole=divisor % size == 0)  # in bytes
 
 
 def _torch_copy(
@@ -299,23 +310,27 @@ def _torch_copy(
     d: torch.Tensor,
     sw: torch.Tensor,
     s: torch.Tensor,
-    shape: tuple[int, int],
+    *,
+    units_per_word: int,
+    row: int,
     whole: bool,
 ) -> None:
-    """Runs of ``row`` words of ``w`` bytes, ``shape = (w, row)``, from offset ``s[i]`` of
-    words ``sw`` to ``d[i]`` of ``dw`` (offsets in bytes), in chunks of at most
-    :data:`CHUNK_WORDS` words: as whole rows (``whole``: every offset a multiple of a
-    row; one ``index_select`` + ``index_copy_``), else one word index each."""
-    w, row = shape
+    """Runs of ``row`` words each from offset ``s[i]`` of words ``sw`` to ``d[i]`` of
+    ``dw``, in chunks of at most :data:`CHUNK_WORDS` words: as whole rows (``whole``:
+    every offset a multiple of a row; one ``index_select`` + ``index_copy_``), else one
+    word index each. ``units_per_word``: how many of the offsets' units make one word —
+    the word's width in bytes where ``d`` and ``s`` are byte offsets (:func:`_copy`), 1
+    where they already count words (:func:`grid_copy`)."""
     step = max(1, CHUNK_WORDS // row)
     if whole:
-        d_row, s_row = _div(d, w * row), _div(s, w * row)
+        per_row = units_per_word * row
+        d_row, s_row = _div(d, per_row), _div(s, per_row)
         dr = dw[: dw.numel() // row * row].view(-1, row)
         sr = sw[: sw.numel() // row * row].view(-1, row)
         for lo in range(0, d_row.numel(), step):
             dr.index_copy_(0, d_row[lo : lo + step], sr.index_select(0, s_row[lo : lo + step]))
         return
-    d_w, s_w = _div(d, w), _div(s, w)
+    d_w, s_w = _div(d, units_per_word), _div(s, units_per_word)
     cols = torch.arange(row, dtype=torch.int64, device=dw.device)
     for lo in range(0, d_w.numel(), step):
         di = (d_w[lo : lo + step, None] + cols).reshape(-1)
