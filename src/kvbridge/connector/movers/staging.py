@@ -262,8 +262,18 @@ class Stager:
             spans = len(chs) if push else sum(c.span_len.shape[0] for c in chs)
             extra = sum(c.staged_bytes for c in chs) - r.nbytes  # gaps read over
             shape = self.costs.shape(chs, push)
+            copies = 2 if push else 1  # pushed: P's gather and D's scatter; pulled: D's
+            spared_rounds = 1 if push else 0  # pushed: the rank's own direct round
             if self.costs.staged_wins(
-                len(r), spans, r.nbytes, len(chs), 1 + push, shape, extra, link, push
+                runs=len(r),
+                spans=spans,
+                nbytes=r.nbytes,
+                rounds=len(chs),
+                copies=copies,
+                shape=shape,
+                extra=extra,
+                link=link,
+                direct_rounds=spared_rounds,
             ):
                 out[src] = chs
         slot = self.pool.take(0.01) if out else None
