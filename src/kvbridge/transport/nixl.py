@@ -27,6 +27,7 @@ envs.prepare_process_env()  # UCX_MODULES / NIXL_LOG_LEVEL must precede loading 
 from kvbridge.errors import KVBridgeError, PeerError, TransferFailed, TransportError  # noqa: E402
 from kvbridge.layout.tensor import MemKind  # noqa: E402
 from kvbridge.transport.base import (  # noqa: E402
+    U64,
     PostingTransport,
     Region,
     XferHandle,
@@ -198,7 +199,8 @@ class NixlTransport(PostingTransport):
             raise PeerError(f"peer metadata carries this agent's own name {name!r}")
         md = bytes(metadata)
         with self._lock:
-            known = self._peers.get(name, (None,))[0]
+            entry = self._peers.get(name)  # (sealed metadata, places) if known
+        known = entry[0] if entry is not None else None
         if known == md:
             return name
         if known is not None:
@@ -240,7 +242,7 @@ class NixlTransport(PostingTransport):
             return sorted(self._peers)
 
     def _post(
-        self, op: str, peer: str, local: Any, remote: Any, nbytes: Any, notif: bytes | None
+        self, op: str, peer: str, local: U64, remote: U64, nbytes: U64, notif: bytes | None
     ) -> NixlXferHandle:
         """Check the runs, build both descriptor lists and post one request."""
         agent = self._check_open()
