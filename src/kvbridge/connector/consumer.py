@@ -339,9 +339,16 @@ class Consumer:
             on_end.append(partial(self.peers.done, job.peer))
         checks: list[Check] = []
         if job.pushed and job.peer is not None:
-            at = (self.transport, self._probe.region.addr, self.engine_id)
-            fences = push_fence_checks(job.peer, job.handle.request_id, job.pushed, *at)
-            checks, on_end = [*fences], on_end + [f.close for f in fences]
+            fences = push_fence_checks(
+                job.peer,
+                job.handle.request_id,
+                job.pushed,
+                d=self.transport,
+                probe=self._probe.region.addr,
+                d_engine=self.engine_id,
+            )
+            checks.extend(fences)
+            on_end.extend(fence.close for fence in fences)
         return Held(out, job.live, checks, on_end)
 
     def await_notifs(self, want: set[bytes], deadline: float) -> None:
