@@ -183,7 +183,7 @@ def parked(p: Engine, blocks: tuple[list[int], ...]) -> tuple[list[Any], list[li
     ``wait_for_save`` (:class:`~kvbridge.integrations.vllm.park.Park`, slots from the
     top of a park of ``NB`` blocks), then vLLM reuses the blocks (scrambled here); the
     parks and the request's park slots."""
-    from kvbridge.integrations.vllm.park import Park
+    from kvbridge.integrations.vllm.park import Order, Park
 
     slots, free = [], list(range(NB - 1, 0, -1))
     for tab in blocks:
@@ -191,7 +191,7 @@ def parked(p: Engine, blocks: tuple[list[int], ...]) -> tuple[list[Any], list[li
     parks = []
     for pl in p.placed:
         parks.append(Park(pl, NB))
-        parks[-1].copy([("r", list(blocks), slots)])
+        parks[-1].copy([Order("r", list(blocks), slots)])
         for raw in parks[-1].src:  # the blocks vLLM freed, written by other requests
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8).to(raw.device))
     return parks, slots

@@ -19,7 +19,7 @@ from kvbridge.api import ConfigError
 from kvbridge.connector.movers import device_copies
 from kvbridge.integrations.vllm import park as park_mod
 from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement
-from kvbridge.integrations.vllm.park import Park, slabs
+from kvbridge.integrations.vllm.park import Order, Park, slabs
 from tests.unit import test_vllm_gpu_layout as tvgl
 from tests.unit.test_vllm_gpu_layout import (
     KINDS,
@@ -45,7 +45,7 @@ def check_copy(placed: Placement, src: list, dst: list) -> None:
     park = Park(placed, PARK)
     for d in park.dst:
         d.fill_(0xAB)
-    park.copy([("r", src, dst)])
+    park.copy([Order("r", src, dst)])
     assert len(park.layout.views) == len(placed.layout.views)
     for v, pv in zip(placed.layout.views, park.layout.views, strict=True):
         g = placed.spec.group_of(v.layer)

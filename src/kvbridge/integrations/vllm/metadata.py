@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -13,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbridge.adapter import LoadJob
 from kvbridge.api import PeerError, RankInfo
+from kvbridge.integrations.vllm.park import Order
 
 
 @dataclass
@@ -34,8 +34,8 @@ class StepMeta(KVConnectorMetadata):
     events: dict[str, int] = field(default_factory=dict)
     """P: counts since the previous step (the park's requests and lease ends), for the
     metrics (rank 0 reports them)."""
-    parks: list[tuple[str, list[Any], list[Any]]] = field(default_factory=list)
-    """P: ``(request id, vLLM blocks, park slots)`` per group, to copy once the step's KV
+    parks: list[Order] = field(default_factory=list)
+    """P: each request's vLLM blocks and park slots per group, to copy once the step's KV
     writes are queued (:mod:`~kvbridge.integrations.vllm.park`)."""
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,9 +29,15 @@ from kvbridge.integrations.vllm.gpu_layout import Placement
 
 Ids = Sequence[Sequence[int] | np.ndarray]
 """Block ids per KV cache group, as lists or arrays."""
-Order = tuple[str, Ids, Ids]
-"""``(request id, vLLM blocks, park slots)``: copy each block to its slot, per group (a
-block without a slot is null)."""
+
+
+class Order(NamedTuple):
+    """One request's copy into the park: each of vLLM's ``blocks`` to its park slot in
+    ``slots``, per group (a block without a slot is null)."""
+
+    request_id: str
+    blocks: Ids
+    slots: Ids
 
 
 @dataclass(frozen=True)
@@ -152,18 +159,20 @@ class Park:
         self.bases = [d.data_ptr() for d in self.dst]
 
     def copy(self, orders: Sequence[Order]) -> None:
-        """Copy each order's vLLM blocks ``[1][g][i]`` into park blocks ``[2][g][i]`` (a
+        """Copy each order's vLLM blocks ``blocks[g][i]`` into park blocks ``slots[g][i]`` (a
         step's ``StepMeta.parks``), every group (null entries skipped), on the device's
         current stream (after the step's KV writes queued before): a block's bytes in each
         plane of its slab are one run of
         :func:`~kvbridge.api.rows_copy`."""
         for s, a, b in zip(self.slabs, self.src, self.dst, strict=True):
-            si, di = (
-                np.concatenate([np.asarray(o[k][g], np.int64) for o in orders for g in s.groups])
-                for k in (1, 2)
+            blocks = np.concatenate(
+                [np.asarray(o.blocks[g], np.int64) for o in orders for g in s.groups]
             )
-            live = si != 0  # null entries: nothing to copy
+            slots = np.concatenate(
+                [np.asarray(o.slots[g], np.int64) for o in orders for g in s.groups]
+            )
+            live = blocks != 0  # null entries: nothing to copy
             plane = np.arange(s.planes, dtype=np.int64)[:, None] * s.stride
-            d_off = (plane * self.park_blocks + di[live] * s.stride).ravel()
-            s_off = (plane * s.blocks + si[live] * s.stride).ravel()
+            d_off = (plane * self.park_blocks + slots[live] * s.stride).ravel()
+            s_off = (plane * s.blocks + blocks[live] * s.stride).ravel()
             rows_copy(b, d_off, a, s_off, s.stride)

@@ -60,9 +60,8 @@ class ParkBook:
             if took is not None:
                 self.ordered[rid] = took
                 tabs, slots = took
-                out.append(
-                    (rid, [np.where(s != 0, b, 0) for b, s in zip(tabs, slots, strict=True)], slots)
-                )
+                copied = [np.where(s != 0, b, 0) for b, s in zip(tabs, slots, strict=True)]
+                out.append(Order(rid, copied, slots))
         return out
 
     def _follow(self, scheduled: Any) -> dict[str, int]:
