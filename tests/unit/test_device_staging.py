@@ -42,8 +42,12 @@ def test_device_copies_refuse_stray_runs_and_move_nothing() -> None:
     stage = torch.arange(64, dtype=torch.uint8)
     at = np.array([int(buf.ctypes.data) + 8, int(buf.ctypes.data) + 250], np.uint64)
     off = np.array([0, 16], np.int64)
-    for bad in ([16, 16], [16, 0], [16, 1 << 63]):
-        with pytest.raises(TransportError, match="lies in no region"):
+    for bad, why in [
+        ([16, 16], "run 1 .* lies in no region"),  # past the region's end
+        ([16, 0], "run 1 .* length 0 B is outside"),
+        ([16, 1 << 63], f"run 1 .* length {-(1 << 63)} B is outside"),  # wrapped
+    ]:
+        with pytest.raises(TransportError, match=why):
             mem.scatter(at, stage, off, np.array(bad, np.uint64))
     assert not buf.any()
 

@@ -20,6 +20,10 @@ __all__ = ["LocalMemory", "Span", "equal_runs"]
 
 STRIDE = 64
 """Runs per region guess in :meth:`Span._region_of`."""
+MAX_RUN = 1 << 40
+"""Runs :meth:`Span.offsets` takes are shorter than this many bytes, and not empty: a
+length from the wire outside ``(0, MAX_RUN)`` (a wrapped uint64 among them) is refused
+before it is added to an address."""
 MIN_PIECE, MAX_PIECES = 256, 8
 """:func:`equal_runs` cuts runs into pieces of at least this many bytes, at most this
 many per run on average (else it groups them by length)."""
@@ -86,18 +90,23 @@ class Span:
             )
 
     def offsets(self, addr: np.ndarray, length: np.ndarray, what: str) -> np.ndarray:
-        """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run not
-        inside one region is a TransportError."""
+        """Tensor offsets (int64) of runs at ``addr`` (names) of ``length`` bytes; a run
+        whose length is outside ``(0, MAX_RUN)`` or that is not inside one region is a
+        TransportError (the first such run named)."""
         addr = np.asarray(addr).astype(np.int64, copy=False)
         length = np.asarray(length).astype(np.int64, copy=False)  # 2⁶³ and up: negative
         idx, start, end = self._region_of(addr)
-        bad = (idx < 0) | (length <= 0) | (length >= 1 << 40)
+        bad_length = (length <= 0) | (length >= MAX_RUN)
+        bad = (idx < 0) | bad_length
         bad |= addr + np.where(bad, 0, length) > end
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise TransportError(
-                f"{what} run {i} [{int(addr[i]):#x}, +{int(length[i])}) lies in no region"
-            )
+            run = f"{what} run {i} [{int(addr[i]):#x}, +{int(length[i])})"
+            if bad_length[i]:
+                raise TransportError(
+                    f"{run}: its length {int(length[i])} B is outside (0, {MAX_RUN}) B"
+                )
+            raise TransportError(f"{run} lies in no region")
         if self.names.shape[0] == 1:
             return addr + (int(self.local[0]) - int(self.names[0]))
         return self.local[idx] + (addr - start)
