@@ -52,7 +52,13 @@ from kvbridge.api import (
     mla,
 )
 from kvbridge.integrations.vllm.cache import VllmCache
-from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement, gpu_rank_layout, kernel_tables
+from kvbridge.integrations.vllm.gpu_layout import (
+    LAYOUTS,
+    Placement,
+    gpu_rank_layout,
+    kernel_tables,
+    state_gpu_descs,
+)
 from kvbridge.integrations.vllm.state import state_layer
 from kvbridge.transport.loopback import Fabric, LoopbackTransport
 
@@ -226,6 +232,15 @@ def test_bad_views_are_refused() -> None:
         gpu_rank_layout(dataclasses.replace(cache, kv_specs=wide), 0, caches)
     with pytest.raises(ConfigError, match="holds blocks of 16"):
         gpu_rank_layout(cached(kb_spec("kv", 32), 1, (caches, specs)), 0, caches)
+
+
+def test_a_state_spec_without_conv_and_ssm_is_refused() -> None:
+    """Called directly (not after ``state_layer``), a spec of three shapes is a ConfigError
+    naming both counts."""
+    page = torch.zeros(4, 1, 1, 1024, dtype=torch.int8)
+    spec = SimpleNamespace(shapes=((3, 8), (2, 4, 6), (5,)), dtypes=(torch.float32,) * 2)
+    with pytest.raises(ConfigError, match="3 state shapes and 2 dtypes; expected 2 of each"):
+        state_gpu_descs("m.layers.0.mixer", page, spec, False)
 
 
 def hybrid(kind: str, conv: str, layout: str, tp: int, rank: int = 0) -> tuple[Engine, Placement]:

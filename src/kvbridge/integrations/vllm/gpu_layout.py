@@ -147,7 +147,10 @@ def state_gpu_descs(
     """Conv and SSM / recurrent state of a ``MambaSpec`` layer from its int8 page view
     ``[B, 1, 1, C]`` (``dim_first``: conv kept ``[channels, kernel-1]``, vLLM's ``DS``)."""
     (_, heads, rows, content), _ = _dims(name, t, layout)
-    shapes, dtypes = state_shapes(spec)  # conv and SSM: checked by state_layer
+    shapes, dtypes = state_shapes(spec)  # conv and SSM (state_layer checks them further)
+    if len(shapes) != 2 or len(dtypes) != 2:
+        counts = f"{len(shapes)} state shapes and {len(dtypes)} dtypes"
+        raise ConfigError(f"{name}: {counts}; expected 2 of each (conv, ssm)")
     need = sum(
         math.prod(s) * int(getattr(d, "itemsize", 0)) for s, d in zip(shapes, dtypes, strict=True)
     )
