@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvbridge.connector.consumer import Consumer, Mode, Outcome
 from kvbridge.connector.handle import TransferHandle
+from kvbridge.connector.load import NO_TABLES, LoadState, _Load
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control.channel import Client
 from kvbridge.control.lease import LeaseState
@@ -180,15 +181,18 @@ class _Interrupt(BaseException):
 
 def test_an_interrupt_between_begin_and_the_copy_frees_ps_channel(world, monkeypatch):
     d = world.consumers[0]
+    d.inline = False  # both loads begin on the one channel a worker's begin takes
     plan = d.plan
+    began = threading.Event()
 
     def interrupted(peer, job):
         monkeypatch.setattr(d, "plan", plan)  # once
+        began.set()
         raise _Interrupt
 
     monkeypatch.setattr(d, "plan", interrupted)
     d.load(*world.request("r1", 45))
-    time.sleep(0.5)  # r1's worker ended by the interrupt, after its begin was sent
+    assert began.wait(5)  # r1's begin sent, then its worker interrupted
     before = [[b.copy() for b in bufs] for bufs in world.d.bufs]
     handle, d_tabs = world.request("r2", 45)
     d.load(handle, d_tabs)
@@ -199,6 +203,24 @@ def test_an_interrupt_between_begin_and_the_copy_frees_ps_channel(world, monkeyp
     closing.start()
     closing.join(10)
     assert not closing.is_alive(), "D's close waits on P's channel r1 left locked"
+
+
+def test_a_load_moves_one_way_only(world):
+    handle, _ = world.request("m", 45)
+    order = [LoadState.HANDSHAKE, LoadState.TRANSFER, LoadState.VERIFY, LoadState.DONE]
+    for skip in range(len(order)):  # no state may be skipped, none left backwards
+        job = _Load(handle, NO_TABLES, 0)
+        for to in order[:skip]:
+            job.move(to)
+        for wrong in [LoadState.QUEUED, LoadState.FAILED, *order[skip + 1 :]]:
+            with pytest.raises(AssertionError):
+                job.move(wrong)
+    job = _Load(handle, NO_TABLES, 0)
+    for to in order:
+        job.move(to)
+    for wrong in (LoadState.FAILED, LoadState.QUEUED):  # a done load stays done
+        with pytest.raises(AssertionError):
+            job.move(wrong)
 
 
 def test_partial_and_full_prefix_hit(world):
