@@ -12,7 +12,16 @@ import numpy as np
 from kvbridge.errors import TransferTimeout, TransportError
 from kvbridge.layout.tensor import MemKind, Region
 
-__all__ = ["U64", "MemKind", "Region", "Transport", "XferHandle", "XferState", "as_u64"]
+__all__ = [
+    "U64",
+    "MemKind",
+    "PostingTransport",
+    "Region",
+    "Transport",
+    "XferHandle",
+    "XferState",
+    "as_u64",
+]
 U64 = np.ndarray
 """A 1-D uint64 array (any non-negative integer dtype is accepted)."""
 

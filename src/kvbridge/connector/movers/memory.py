@@ -101,11 +101,11 @@ class Span:
         bad |= addr + np.where(bad, 0, length) > end
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            run = f"{what} run {i} [{int(addr[i]):#x}, +{int(length[i])})"
+            n = int(length[i]) % (1 << 64)  # as the peer sent it (uint64)
+            run = f"{what} run {i} [{int(addr[i]):#x}, +{n})"
             if bad_length[i]:
-                raise TransportError(
-                    f"{run}: its length {int(length[i])} B is outside (0, {MAX_RUN}) B"
-                )
+                bound = MAX_RUN.bit_length() - 1
+                raise TransportError(f"{run}: its length {n} B is outside (0, 2^{bound}) B")
             raise TransportError(f"{run} lies in no region")
         if self.names.shape[0] == 1:
             return addr + (int(self.local[0]) - int(self.names[0]))
