@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvbridge.api import ConfigError
+from kvbridge.api import ConfigError, TransportError
 from kvbridge.connector.movers import device_copies
 from kvbridge.integrations.vllm import park as park_mod
 from kvbridge.integrations.vllm.gpu_layout import LAYOUTS, Placement
@@ -174,3 +174,21 @@ def test_gathers_of_one_block_and_null_entries_copy_the_same(
     filled(eng[0])
     placed = describe("kv", eng, 1, 0, "BLNHC")
     check_copy(placed, [[4, 0, 1, 5]], [[3, 0, 1, 2]])
+
+
+@pytest.mark.parametrize(("src", "dst", "what"), [
+    ([[4, 1, 5]], [[3, 1, PARK]], "park slot"),  # one slot past the park: the next plane
+    ([[4, 1, 5]], [[3, -1, 2]], "park slot"),
+    ([[4, 1, 10_000]], [[3, 1, 2]], "vLLM block"),
+])  # fmt: skip
+def test_an_id_out_of_range_is_refused_before_any_byte_moves(src, dst, what) -> None:
+    """A slot past the park (or a block past vLLM's) whose bytes would still lie inside
+    the region (another plane's block): refused, nothing copied."""
+    eng = attn_engine("kv", "LBNHC", 16, None)
+    filled(eng[0])
+    park = Park(describe("kv", eng, 1, 0, "LBNHC"), PARK)
+    for d in park.dst:
+        d.fill_(0xAB)
+    with pytest.raises(TransportError, match=what):
+        park.copy([Order("r", src, dst)])
+    assert all(bool((d == 0xAB).all()) for d in park.dst)

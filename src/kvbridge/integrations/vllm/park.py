@@ -24,7 +24,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvbridge.api import ConfigError, RankLayout, Region, View, byte_tensor, rows_copy
+from kvbridge.api import (
+    ConfigError,
+    RankLayout,
+    Region,
+    TransportError,
+    View,
+    byte_tensor,
+    rows_copy,
+)
 from kvbridge.integrations.vllm.gpu_layout import Placement
 
 Ids = Sequence[Sequence[int] | np.ndarray]
@@ -162,17 +170,29 @@ class Park:
         """Copy each order's vLLM blocks ``blocks[g][i]`` into park blocks ``slots[g][i]`` (a
         step's ``StepMeta.parks``), every group (null entries skipped), on the device's
         current stream (after the step's KV writes queued before): a block's bytes in each
-        plane of its slab are one run of
-        :func:`~kvbridge.api.rows_copy`."""
-        for s, a, b in zip(self.slabs, self.src, self.dst, strict=True):
-            blocks = np.concatenate(
-                [np.asarray(o.blocks[g], np.int64) for o in orders for g in s.groups]
-            )
-            slots = np.concatenate(
-                [np.asarray(o.slots[g], np.int64) for o in orders for g in s.groups]
+        plane of its slab are one run of :func:`~kvbridge.api.rows_copy`. A block or slot
+        id out of range (its bytes may still lie in the region, another plane's block):
+        TransportError before any byte moves."""
+        runs = []
+        for s in self.slabs:
+            blocks, slots = (
+                np.concatenate([np.asarray(ids[g], np.int64) for ids in per for g in s.groups])
+                for per in ([o.blocks for o in orders], [o.slots for o in orders])
             )
             live = blocks != 0  # null entries: nothing to copy
+            blocks, slots = blocks[live], slots[live]
+            _in_range("vLLM block", blocks, s.blocks)
+            _in_range("park slot", slots, self.park_blocks)
             plane = np.arange(s.planes, dtype=np.int64)[:, None] * s.stride
-            d_off = (plane * self.park_blocks + slots[live] * s.stride).ravel()
-            s_off = (plane * s.blocks + blocks[live] * s.stride).ravel()
-            rows_copy(b, d_off, a, s_off, s.stride)
+            d_off = (plane * self.park_blocks + slots * s.stride).ravel()
+            runs.append((d_off, (plane * s.blocks + blocks * s.stride).ravel(), s.stride))
+        for a, b, (d_off, s_off, size) in zip(self.src, self.dst, runs, strict=True):
+            rows_copy(b, d_off, a, s_off, size)
+
+
+def _in_range(what: str, ids: np.ndarray, count: int) -> None:
+    """TransportError unless every id lies in ``[0, count)``."""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= count):
+        raise TransportError(
+            f"park: {what} ids {int(ids.min())}..{int(ids.max())} outside 0..{count - 1}"
+        )
