@@ -191,8 +191,19 @@ def test_an_interrupt_between_begin_and_the_copy_frees_ps_channel(world, monkeyp
         raise _Interrupt
 
     monkeypatch.setattr(d, "plan", interrupted)
-    d.load(*world.request("r1", 45))
+    failed_handle, tabs = world.request("r1", 45)
+    d.load(failed_handle, tabs)
     assert began.wait(5)  # r1's begin sent, then its worker interrupted
+    (failed,) = world.wait(timeout=5)  # r1 ends as a failure: the engine does not wait on it
+    assert not failed.ok and failed.request_id == "r1"
+    assert failed.error == "TransferFailed: load interrupted by _Interrupt", failed.error
+    assert d.pending() == 0
+    peer = d.peers.known(failed_handle)
+    assert peer is not None
+    deadline = time.monotonic() + 5
+    while peer.users and time.monotonic() < deadline:  # released with the outcome's fence
+        time.sleep(0.01)
+    assert peer.users == 0
     before = [[b.copy() for b in bufs] for bufs in world.d.bufs]
     handle, d_tabs = world.request("r2", 45)
     d.load(handle, d_tabs)

@@ -43,7 +43,7 @@ from kvbridge.connector.movers.staging import Stager
 from kvbridge.connector.peers import Peer, PeerCache, Target
 from kvbridge.connector.prepare import prepare
 from kvbridge.control.security import Keys
-from kvbridge.errors import KVBridgeError, PlanError, TransferTimeout
+from kvbridge.errors import KVBridgeError, PlanError, TransferFailed, TransferTimeout
 from kvbridge.fdtable import reserve_fds
 from kvbridge.layout.tensor import MemKind, Region, regions_at
 from kvbridge.layout.view import RankLayout
@@ -243,9 +243,9 @@ class Consumer:
         except Exception as e:  # every failure ends the request, typed in `error`
             self._failed(job, e, t0, answer)
             return
-        except BaseException:  # no load's failure (an interrupt): P's channel freed all the same
-            if answer is not None:
-                answer.take(quiet=True)
+        except BaseException as e:  # an interrupt: the load fails as on an error, then it goes on
+            cause = TransferFailed(f"load interrupted by {type(e).__name__}")
+            self._failed(job, cause, t0, answer)
             raise
         self._deliver(
             Outcome(
