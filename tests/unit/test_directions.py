@@ -306,3 +306,33 @@ def test_a_failed_probe_is_measured_again_later_and_nobody_waits_for_a_probe(
         assert load(w, "d").mover == "push"  # measured again
     finally:
         w.close()
+
+
+def test_a_probe_that_cannot_succeed_is_not_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cause that does not pass (P serves no push channel, no staging slot at all, a
+    region too small): the pair pulls for good, without probing on every load."""
+    from kvbridge.connector.movers import choice, registry
+
+    w = World(mode=Mode.AUTO, d_transport=SlowReads)
+    try:
+        d = w.consumers[0]
+        monkeypatch.setattr(registry, "PROBE_RETRY_S", 0.0)
+        calls = []
+        real = registry.measure
+
+        def counted(*args: object) -> choice.PairCosts:
+            calls.append(1)
+            return real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(registry, "measure", counted)
+        assert load(w, "a").mover == "push"  # measured: READs are slow
+        ((key, _),) = d.pair_costs.items()
+        d.pair_costs[key] = choice.PairCosts(note="P rank 0 serves no push channel")
+        for rid in ("b", "c"):
+            out = load(w, rid)
+            assert out.mover == "pull" and "serves no push channel" in out.reason, out.reason
+        assert len(calls) == 1
+        d.pair_costs[key] = choice.PairCosts(note="no free staging slot", at=1.0)
+        assert load(w, "d").mover == "push" and len(calls) == 2  # a passing cause: again
+    finally:
+        w.close()

@@ -83,14 +83,15 @@ def slow(read: Link, write: Link, nbytes: int) -> str:
 class PairCosts:
     """What D measured with one P epoch: each direction's :class:`Link` (None: failed),
     or ``note``, why nothing was measured (then D pulls; ``at``: when, by
-    ``time.monotonic``, so that it is measured again after ``PROBE_RETRY_S``)."""
+    ``time.monotonic``, so that it is measured again after ``PROBE_RETRY_S``; None where
+    the cause does not pass: the peer's or D's set-up, never measured again)."""
 
     read: Link | None = None
     write: Link | None = None
     note: str = ""
     never: str = ""
     """The direction the probe found far slower (:func:`slow`): learning never lifts it."""
-    at: float = 0.0
+    at: float | None = None
 
     def learned(
         self, push: bool, descriptors: int, nbytes: int, seconds: float, rounds: int = 1

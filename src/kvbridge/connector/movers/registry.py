@@ -176,15 +176,16 @@ MEASURING = "being measured"
 
 def costs_of(d: Rank, peer: Peer, src: int) -> PairCosts:
     """What D measured with ``peer``'s epoch (:func:`.choice.measure` with P rank ``src``,
-    once; a failed probe again after ``PROBE_RETRY_S``). Measured outside ``d.measuring``:
-    loads that meet the epoch meanwhile pull, saying so, instead of waiting for it."""
+    once; a probe failed for a cause that passes again after ``PROBE_RETRY_S``).
+    Measured outside ``d.measuring``: loads that meet the epoch meanwhile pull, saying
+    so, instead of waiting for it."""
     key = (peer.engine_id, peer.epoch)
     with d.measuring:
         found = d.pair_costs.get(key)
-        stale = found is not None and found.note not in ("", MEASURING)
-        if found is not None and not (stale and time.monotonic() - found.at > PROBE_RETRY_S):
+        if found is None or _due(found):
+            d.pair_costs[key] = PairCosts(note=MEASURING)
+        else:
             return found
-        d.pair_costs[key] = PairCosts(note=MEASURING)
     got = PairCosts(note="probe failed", at=time.monotonic())
     try:
         got = measure(d, peer, src)
@@ -193,6 +194,13 @@ def costs_of(d: Rank, peer: Peer, src: int) -> PairCosts:
             if d.pair_costs.get(key, got).note in ("", MEASURING):  # none better meanwhile
                 d.pair_costs[key] = got
     return got
+
+
+def _due(found: PairCosts) -> bool:
+    """Whether a pair's probe that failed for a passing cause is to be made again."""
+    if found.note in ("", MEASURING) or found.at is None:
+        return False
+    return time.monotonic() - found.at > PROBE_RETRY_S
 
 
 def direction(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[Mode, str]:
