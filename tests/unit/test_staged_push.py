@@ -7,8 +7,10 @@ round into D's slot; D scatters. Bytes must equal the reference and a direct pus
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -25,7 +27,7 @@ from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control import messages
 from kvbridge.control.channel import Client
 from kvbridge.control.messages import PushRefused, PushRuns, seal, unseal
-from kvbridge.errors import TransportError
+from kvbridge.errors import PeerError, TransportError
 from kvbridge.layout.tensor import MemKind
 from kvbridge.spec import Parallel
 from kvbridge.transport.base import Region
@@ -372,3 +374,70 @@ def test_a_round_whose_second_ask_fails_answers_the_first() -> None:
     with pytest.raises(TransportError, match="down"):
         push_staged(stager, Pusher(), plan, lambda want: None)  # type: ignore[arg-type]
     assert answered == [0]
+
+
+def test_a_direct_push_asks_every_p_rank_before_it_awaits_an_answer() -> None:
+    """Each P rank answers only once the other was asked too: a D that awaited one
+    rank's answer before asking the next would wait out the 5 s here (one round trip for
+    the ranks, not one per rank)."""
+    w = World(mode=Mode.PUSH)  # P TP 2 → D TP 1: both P ranks write
+    try:
+        asked = [threading.Event(), threading.Event()]
+        waited: list[bool] = []
+
+        def answering(rank: int, real: Any) -> Any:
+            def handle(msg: messages.Message) -> messages.Message:
+                if isinstance(msg, PushRuns):
+                    asked[rank].set()
+                    waited.append(asked[1 - rank].wait(5))
+                return real(msg)
+
+            return handle
+
+        w.consumers[0].staging = False  # direct: each rank's runs in one message
+        for rank, wk in enumerate(w.workers):
+            assert wk.server is not None
+            wk.server.handler = answering(rank, wk.server.handler)
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("r", 45)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok and out.mover == "push" and out.staged_runs == 0, (out.mover, out.error)
+        assert waited == [True, True]
+        check_bytes(w, before, 45, 0, d_tabs)
+    finally:
+        w.close()
+
+
+def test_a_rank_failing_a_direct_push_leaves_no_other_ranks_channel_waiting() -> None:
+    """P rank 0 fails the push: the load fails, typed; rank 1's answer is taken all the
+    same (its channel serves the next load, which lands byte-exact)."""
+    w = World(mode=Mode.PUSH)
+    try:
+        w.consumers[0].staging = False
+        wk = w.workers[0]
+        assert wk.server is not None
+        real, failed = wk.server.handler, []
+
+        def refusing(msg: messages.Message) -> messages.Message:
+            if isinstance(msg, PushRuns) and not failed:
+                failed.append(msg.request_id)
+                raise PeerError("rank 0 cannot write now")
+            return real(msg)
+
+        wk.server.handler = refusing
+        handle, d_tabs = w.request("bad", 45)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert not out.ok and "rank 0 cannot write now" in out.error, out.error
+        before = [[b.copy() for b in bufs] for bufs in w.d.bufs]
+        handle, d_tabs = w.request("good", 45)
+        w.consumers[0].load(handle, d_tabs)
+        (out,) = w.wait()
+        assert out.ok and out.staged_runs == 0, out.error
+        check_bytes(w, before, 45, 0, d_tabs)
+    finally:  # a channel left waiting would hang the close: fail instead
+        closing = threading.Thread(target=w.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "closing waits on a P rank's channel left locked"

@@ -93,26 +93,24 @@ class PairCosts:
     """The direction the probe found far slower (:func:`slow`): learning never lifts it."""
     at: float | None = None
 
-    def learned(
-        self, push: bool, descriptors: int, nbytes: int, seconds: float, rounds: int = 1
-    ) -> PairCosts:
+    def learned(self, push: bool, descriptors: int, nbytes: int, seconds: float) -> PairCosts:
         """After a direct transfer of that direction (:meth:`Link.learned`)."""
         link = self.write if push else self.read
         if link is None:
             return self
-        new = link.learned(descriptors, nbytes, seconds, rounds)
+        new = link.learned(descriptors, nbytes, seconds)
         return replace(self, write=new) if push else replace(self, read=new)
 
 
 def price(
     link: Link, runs: Mapping[int, Runs], push: bool, staging: Staging | None
 ) -> tuple[float, int]:
-    """Seconds ``runs`` take over ``link`` (pushed: one round per source rank, asked in
-    turn; pulled: all posted, one round), each source rank direct or staged, whichever
-    costs less; and how many were priced staged. A staged rank costs one round and one
-    descriptor per chunk of half a slot (a pulled chunk's spans counted as one: its
-    floor), its bytes, and its local copies (P's gather and D's scatter pushed, D's
-    scatter pulled)."""
+    """Seconds ``runs`` take over ``link`` (pulled: all posted, one round; pushed: each
+    source rank's own round, the ranks sent direct sharing one: asked at once), each
+    source rank direct or staged, whichever costs less; and how many were priced staged.
+    A staged rank costs one round and one descriptor per chunk of half a slot (a pulled
+    chunk's spans counted as one: its floor), its bytes, and its local copies (P's
+    gather and D's scatter pushed, D's scatter pulled)."""
     total = 0.0 if push else link.round_s
     staged = 0
     for r in runs.values():
@@ -125,6 +123,9 @@ def price(
             if cost < best:
                 best, staged = cost, staged + 1
         total += best
+    direct = len(runs) - staged
+    if push and direct > 1:
+        total -= (direct - 1) * link.round_s  # one round for them all
     return total, staged
 
 

@@ -60,10 +60,19 @@ class Pusher:
         return lambda: reply_runs(reply(), "staged push" if staged else "push")
 
     def direct(self, runs: dict[int, Runs]) -> tuple[set[bytes], int]:
-        """Send each source rank its runs (one message, the last to that rank) → the
+        """Send each source rank its runs (one message, the last to that rank), every
+        rank asked before any answer is awaited (one round trip, not one per rank) → the
         notifications that will say they landed, and the descriptors posted."""
         want = {src: self.notif(src).encode() for src in runs}
-        total = sum(self.ask(src, r.as_uint64(), want[src])() for src, r in runs.items())
+        calls: list[Callable[[], int]] = []
+        total = 0
+        try:
+            for src, r in runs.items():
+                calls.append(self.ask(src, r.as_uint64(), want[src]))
+            while calls:
+                total += calls.pop(0)()
+        finally:
+            _answer(calls)  # what a failure above left unanswered
         return set(want.values()), total
 
 

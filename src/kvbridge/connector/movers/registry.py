@@ -226,17 +226,15 @@ def link(d: Rank, peer: Peer, push: bool) -> Link | None:
     return costs.write if push else costs.read
 
 
-def learn(
-    d: Rank, peer: Peer, push: bool, job: _Load, moved: tuple[int, float], rounds: int = 1
-) -> None:
-    """A direct transfer of ``job`` timed, ``moved`` = (bytes, seconds) in ``rounds``: the
+def learn(d: Rank, peer: Peer, push: bool, job: _Load, moved: tuple[int, float]) -> None:
+    """A direct transfer of ``job`` timed (one round), ``moved`` = (bytes, seconds): the
     pair's measured costs learn from it (AUTO), else the stager's."""
     nbytes, seconds = moved
     with d.measuring:
         key = (peer.engine_id, peer.epoch)
         costs = d.pair_costs.get(key)
         if costs is not None and not costs.note:
-            d.pair_costs[key] = costs.learned(push, job.posted, nbytes, seconds, rounds)
+            d.pair_costs[key] = costs.learned(push, job.posted, nbytes, seconds)
             return
     if d.stager is not None:
         d.stager.costs.learn(job.posted, nbytes, seconds)
@@ -273,9 +271,8 @@ def _push_run(d: Rank, peer: Peer, plan: Plan, job: _Load) -> None:
     pusher = Pusher(peer, job, d.leases.who, d.metadata)
     want, job.posted = pusher.direct(runs)
     d.await_notifs(want, deadline)
-    if stager is None or staged is None:  # one round per P rank, asked in turn
-        moved = (sum(r.nbytes for r in runs.values()), time.perf_counter() - t0)
-        learn(d, peer, True, job, moved, max(len(runs), 1))
+    if stager is None or staged is None:  # one round: every P rank asked at once
+        learn(d, peer, True, job, (sum(r.nbytes for r in runs.values()), time.perf_counter() - t0))
         return
     posted, job.staged_runs = push_staged(
         stager, pusher, staged, lambda w: d.await_notifs(w, deadline)

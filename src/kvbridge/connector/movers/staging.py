@@ -55,14 +55,14 @@ class Link:
     desc_s: float
     byte_s: float
 
-    def learned(self, descriptors: int, nbytes: int, seconds: float, rounds: int = 1) -> Link:
-        """This link after a timed direct transfer of ``rounds`` rounds: small runs (≤ 4 KiB
+    def learned(self, descriptors: int, nbytes: int, seconds: float) -> Link:
+        """This link after a timed direct transfer (one round): small runs (≤ 4 KiB
         on average, 256 or more) tell the descriptor's cost, long ones (≥ 64 KiB on
         average, 8 MiB or more) the byte's, each net of the other terms, as moving
         averages bounded per sample."""
         if descriptors <= 0 or seconds <= 0:
             return self
-        left = seconds - rounds * self.round_s
+        left = seconds - self.round_s
         if descriptors >= 256 and nbytes <= descriptors * 4096:
             per = min(max((left - nbytes * self.byte_s) / descriptors, MIN_DESC_S), MAX_DESC_S)
             return replace(self, desc_s=0.8 * self.desc_s + 0.2 * per)
