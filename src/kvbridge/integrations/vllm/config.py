@@ -143,8 +143,13 @@ def read_config(kv_transfer_config: Any, hf_config: Any = None) -> ConnectorConf
             raise ConfigError(f"kv_connector_extra_config {key}={value!r}: {e}") from None
     if not kw.get("model_id") and hf_config is not None:
         kw["model_id"] = model_fingerprint(hf_config)
-    roles = role in ("kv_producer", "kv_both"), role in ("kv_consumer", "kv_both")
-    cfg = ConnectorConfig(str(kv_transfer_config.engine_id), *roles, secret.encode(), **kw)
+    cfg = ConnectorConfig(
+        engine_id=str(kv_transfer_config.engine_id),
+        producer=role in ("kv_producer", "kv_both"),
+        consumer=role in ("kv_consumer", "kv_both"),
+        secret=secret.encode(),
+        **kw,
+    )
     if cfg.num_threads is not None and not 0 <= cfg.num_threads <= 64:
         raise ConfigError(f"kv_connector_extra_config num_threads={cfg.num_threads}: 0..64")
     _check_park(cfg)
