@@ -29,8 +29,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# tests/unit beside the rest of tests: two pytest processes at once (tools/run_tests.py)
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python tools/run_tests.py
 
 test: lint typecheck pytest
 
