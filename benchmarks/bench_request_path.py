@@ -5,16 +5,23 @@ P's lease bookkeeping per request. Meant to compare two versions of kvbridge on 
 machine in one sitting (the script uses only API both have; where ``prefill_done`` /
 ``load`` take the prompt, it passes it, so the digest's cost is in the figures).
 
+``--p-process``: P in a process of its own (NIXL only), so that P answering D's calls
+and D posting its transfers run at once, as on two hosts, not taking turns for one
+interpreter.
+
 Usage: PYTHONPATH=src python -m benchmarks.bench_request_path [--requests N] [--tokens T]
-       [--transport loopback|nixl]
+       [--transport loopback|nixl] [--p-process]
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import multiprocessing as mp
 import statistics
 import time
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
@@ -36,23 +43,25 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--transport", default="loopback")
+    ap.add_argument("--p-process", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     spec = load_model("llama-3.1-8b").spec.with_block_sizes(16)
     blocks = 4 * -(-args.tokens // 16)
     lay = build_layout(spec, Parallel(1), 0, "hnd", blocks)
-    p_mem = [np.zeros(n, np.uint8) for n in lay.regions]
     d_mem = [np.zeros(n, np.uint8) for n in lay.regions]
-    worker = ProducerWorker(
-        0, lay, [int(b.ctypes.data) for b in p_mem], make_transport(args.transport, "P0")
-    )
-    producer = Producer("P", spec, Parallel(1), SECRET, lease_s=30)
-    producer.add_rank(worker.info)
+    if args.p_process:
+        here, there = mp.get_context("spawn").Pipe()
+        child = mp.get_context("spawn").Process(target=_p_main, args=(there, args.tokens))
+        child.start()
+        producer: Any = _Remote(here)
+    else:
+        producer = _P(args.transport, args.tokens)
     consumer = Consumer(
         "D", spec, Parallel(1), 0, lay, [int(b.ctypes.data) for b in d_mem],
         make_transport(args.transport, "D0"), SECRET,
     )  # fmt: skip
-    with_prompt = "prompt" in inspect.signature(producer.prefill_done).parameters
+    with_prompt = "prompt" in inspect.signature(Producer.prefill_done).parameters
     need = -(-args.tokens // 16)
     seconds: list[float] = []
     stages: dict[str, list[float]] = {}
@@ -74,7 +83,7 @@ def main() -> None:
         seconds.append(out[0].seconds)
         for k, v in out[0].stages.items():
             stages.setdefault(k, []).append(v)
-        producer.freed(wait_for=1, timeout_s=5.0)
+        producer.freed()
     warm = slice(args.requests // 10, None)  # the first handshake and warm-up left out
 
     def ms(xs: list[float]) -> str:
@@ -89,8 +98,55 @@ def main() -> None:
         + " ".join(f"{k}={ms(v)}" for k, v in stages.items())
     )
     consumer.close()
-    worker.close()
     producer.close()
+
+
+class _P:
+    """P's Producer and its one rank's worker, over ``transport``."""
+
+    def __init__(self, transport: str, tokens: int) -> None:
+        spec = load_model("llama-3.1-8b").spec.with_block_sizes(16)
+        lay = build_layout(spec, Parallel(1), 0, "hnd", 4 * -(-tokens // 16))
+        self.mem = [np.zeros(n, np.uint8) for n in lay.regions]
+        bases = [int(b.ctypes.data) for b in self.mem]
+        self.worker = ProducerWorker(0, lay, bases, make_transport(transport, "P0"))
+        self.producer = Producer("P", spec, Parallel(1), SECRET, lease_s=30)
+        self.producer.add_rank(self.worker.info)
+        self.prefill_done = self.producer.prefill_done
+
+    def freed(self) -> None:
+        self.producer.freed(wait_for=1, timeout_s=5.0)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.producer.close()
+
+
+def _p_main(conn: Connection, tokens: int) -> None:
+    """P in a process of its own: serves :class:`_Remote`'s calls over ``conn``."""
+    p = _P("nixl", tokens)
+    while (call := conn.recv()) is not None:
+        name, a, kw = call
+        conn.send(p.prefill_done(*a, **kw) if name == "prefill_done" else p.freed())
+    p.close()
+
+
+class _Remote:
+    """:class:`_P` in another process, called over a pipe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.prefill_done = lambda *a, **kw: self._call("prefill_done", a, kw)
+
+    def _call(self, name: str, a: tuple, kw: dict) -> Any:
+        self.conn.send((name, a, kw))
+        return self.conn.recv()
+
+    def freed(self) -> None:
+        self._call("freed", (), {})
+
+    def close(self) -> None:
+        self.conn.send(None)
 
 
 if __name__ == "__main__":
