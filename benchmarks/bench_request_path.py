@@ -51,10 +51,12 @@ def main() -> None:
     lay = build_layout(spec, Parallel(1), 0, "hnd", blocks)
     d_mem = [np.zeros(n, np.uint8) for n in lay.regions]
     if args.p_process:
+        if args.transport != "nixl":
+            ap.error("--p-process needs --transport nixl (loopback stays in one process)")
         here, there = mp.get_context("spawn").Pipe()
         child = mp.get_context("spawn").Process(target=_p_main, args=(there, args.tokens))
         child.start()
-        producer: Any = _Remote(here)
+        producer: Any = _Remote(here, child)
     else:
         producer = _P(args.transport, args.tokens)
     consumer = Consumer(
@@ -134,8 +136,8 @@ def _p_main(conn: Connection, tokens: int) -> None:
 class _Remote:
     """:class:`_P` in another process, called over a pipe."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    def __init__(self, conn: Connection, child: Any) -> None:
+        self.conn, self.child = conn, child
         self.prefill_done = lambda *a, **kw: self._call("prefill_done", a, kw)
 
     def _call(self, name: str, a: tuple, kw: dict) -> Any:
@@ -147,6 +149,7 @@ class _Remote:
 
     def close(self) -> None:
         self.conn.send(None)
+        self.child.join(10)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ waits on engines, processes and deadlines: side by side the suite took 690 s on 
 
 The rest's output streams as it runs; the unit tests' comes whole when both have ended
 (the two never interleave). Exits 0 only if both exited 0: a failure, an error or no test
-collected (pytest's exit 5) in either fails the run.
+collected (pytest's exit 5) in either fails the run: options given here go to both, so
+a ``-k`` that selects nothing in one of them fails it.
 
 Usage: python tools/run_tests.py [pytest options given to both]
 """
@@ -29,10 +30,10 @@ def main(argv: list[str]) -> int:
         try:
             print("tests/unit runs beside the rest; its output follows the rest's", flush=True)
             rest = subprocess.call([*PYTEST, *argv, "tests", "--ignore=tests/unit"])
-        finally:
+        finally:  # an interrupt too: what the unit tests said is shown
             unit_rc = unit.wait()
-        unit_log.seek(0)
-        print(f"\n--- tests/unit ---\n{unit_log.read()}", flush=True)
+            unit_log.seek(0)
+            print(f"\n--- tests/unit ---\n{unit_log.read()}", flush=True)
     took = time.monotonic() - t0
     print(f"tests/unit: exit {unit_rc}; the rest: exit {rest}; {took:.0f} s in all")
     return 0 if unit_rc == rest == 0 else 1

@@ -157,6 +157,7 @@ def test_a_push_to_several_ranks_is_priced_and_learned_at_one_round() -> None:
     link = Link(400e-6, 2e-6, 0.25e-9)
     costs = pair(link, link)
     priced, _ = price(link, runs_of(256, 1024, ranks=4), True, None)
+    assert priced == pytest.approx(400e-6 + 4 * 256 * (2e-6 + 1024 * 0.25e-9))  # asked at once
     for _ in range(30):  # a direct push of 4 ranks that took exactly its price
         costs = costs.learned(True, 4 * 256, 4 * 256 * 1024, priced)
     assert costs.write is not None and costs.write.desc_s == pytest.approx(2e-6, rel=1e-6)

@@ -21,7 +21,7 @@ from kvbridge.connector.load import NO_TABLES, LoadState, _Load
 from kvbridge.connector.producer import Producer, ProducerWorker
 from kvbridge.control.channel import Client
 from kvbridge.control.lease import LeaseState
-from kvbridge.control.messages import ErrorReply, Handshake, LeaseOp, Message, unseal
+from kvbridge.control.messages import ErrorReply, Handshake, Message, unseal
 from kvbridge.control.security import Keys, secure_client
 from kvbridge.errors import PeerError
 from kvbridge.layout import build_layout
@@ -528,59 +528,3 @@ def test_a_new_pairs_first_request_imports_no_module() -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[]"
-
-
-@pytest.mark.parametrize("staging", [True, False])
-def test_a_pull_posts_its_reads_while_p_answers_begin(world, monkeypatch, staging):
-    """P answers ``begin`` only once D's READs for the load went out (direct, or the
-    first staged round's): a D that waited for the answer before posting would wait out
-    the 5 s here. The load still counts only on "held" (test_lease_chaos.py: refused
-    loads name every block they may have written)."""
-    d = world.consumers[0]
-    d.staging = staging
-    posted = threading.Event()
-    waited: list[bool] = []
-    real_read, real_handle = d.transport.read, world.producer.server.handler
-
-    def read(*args, **kw):
-        out = real_read(*args, **kw)
-        posted.set()
-        return out
-
-    def handle(msg):
-        if isinstance(msg, LeaseOp) and msg.op == "begin":
-            waited.append(posted.wait(5))
-        return real_handle(msg)
-
-    monkeypatch.setattr(d.transport, "read", read)
-    world.producer.server.handler = handle
-    before = [[b.copy() for b in bufs] for bufs in world.d.bufs]
-    handle_, d_tabs = world.request("early", 45)
-    d.load(handle_, d_tabs)
-    (out,) = world.wait()
-    assert out.ok and out.mover == "pull", out.error
-    assert (out.staged_runs > 0) is staging
-    assert waited == [True]
-    assert out.stages["lease"] < out.stages["transfer"]  # P's answer waited for inside it
-    check_bytes(world, before, 45, 0, d_tabs)
-
-
-@pytest.mark.parametrize("staging", [True, False])
-def test_a_pull_whose_lease_p_ended_fails_naming_every_block_it_wrote(world, staging):
-    """P aborted the lease before D's ``begin``: D's READs went out meanwhile (they may
-    have landed), the load fails with LeaseExpired, every D block of the request named
-    failed, nothing still in flight; P's channel serves the next load."""
-    d = world.consumers[0]
-    d.staging = staging
-    handle, d_tabs = world.request("gone", 45)
-    assert world.producer.abort("gone")
-    d.load(handle, d_tabs)
-    (out,) = world.wait()
-    assert not out.ok and out.error.startswith("LeaseExpired"), out.error
-    assert out.failed_blocks == [list(t) for t in d_tabs], out.failed_blocks
-    before = [[b.copy() for b in bufs] for bufs in world.d.bufs]
-    handle, d_tabs = world.request("next", 45)
-    d.load(handle, d_tabs)
-    (out,) = world.wait()
-    assert out.ok, out.error
-    check_bytes(world, before, 45, 0, d_tabs)

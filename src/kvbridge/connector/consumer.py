@@ -38,7 +38,7 @@ from kvbridge.connector.load import (
 from kvbridge.connector.movers.choice import PairCosts
 from kvbridge.connector.movers.kernel import kernel_mover
 from kvbridge.connector.movers.pull import POST_RUNS
-from kvbridge.connector.movers.registry import movers, plan_geometry, serving
+from kvbridge.connector.movers.registry import early, movers, plan_geometry, transfer
 from kvbridge.connector.movers.staging import Stager
 from kvbridge.connector.peers import Peer, PeerCache, Target
 from kvbridge.connector.prepare import prepare
@@ -244,6 +244,7 @@ class Consumer:
             self._failed(job, e, t0, answer)
             return
         except BaseException as e:  # an interrupt: the load fails as on an error, then it goes on
+            log.warning("load of %s interrupted", job.handle.request_id, exc_info=e)
             cause = TransferFailed(f"load interrupted by {type(e).__name__}")
             self._failed(job, cause, t0, answer)
             raise
@@ -307,25 +308,23 @@ class Consumer:
 
     def _move(self, peer: Peer, plan: Plan, job: _Load, answer: Answer) -> tuple[str, str, float]:
         """Move ``plan`` once P's ``begin`` answer says the lease is held, or, where its
-        mover runs early (:attr:`~kvbridge.connector.movers.registry.MoverKind.early`:
-        the kernel mover on a GPU, pull), while P answers, the mover taking the answer
-        (``job.answer``) once its copies are launched or its READs posted. Either way the
-        load counts only if P answered "held" (``docs/faults.md``) → (mover, why, lease
-        seconds left at ``begin``)."""
+        mover runs early (:func:`~kvbridge.connector.movers.registry.early`: the kernel
+        mover on a GPU), while P answers, the mover taking the answer (``job.answer``)
+        once its copies are launched. Either way the load counts only if P answered
+        "held" (``docs/faults.md``) → (mover, why, lease seconds left at ``begin``)."""
+        overlap = early(self, job)
         job.move(LoadState.TRANSFER)
-        mover, why = serving(self, peer, plan, job)
-        overlap = mover.early is not None and mover.early(self)
         if overlap:
             job.answer = answer.take
         else:
             answer.take()
             job.lap("lease")
-        mover.run(self, peer, plan, job)
+        mover, why = transfer(self, peer, plan, job)
         left = answer.take()  # "held", or the load fails here
         job.lap("transfer")
         if overlap:
             job.stages["lease"] = answer.waited  # inside "transfer", while the copies ran
-        return mover.name, why, left
+        return mover, why, left
 
     def _deliver(self, out: Outcome) -> None:
         with self._lock:

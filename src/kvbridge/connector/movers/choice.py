@@ -105,17 +105,18 @@ class PairCosts:
 def price(
     link: Link, runs: Mapping[int, Runs], push: bool, staging: Staging | None
 ) -> tuple[float, int]:
-    """Seconds ``runs`` take over ``link`` (pulled: all posted, one round; pushed: each
-    source rank's own round, the ranks sent direct sharing one: asked at once), each
-    source rank direct or staged, whichever costs less; and how many were priced staged.
+    """Seconds ``runs`` take over ``link`` (pulled: all posted, one round; pushed: the
+    ranks sent direct asked at once, one round for them all), each source rank direct or
+    staged, whichever costs less; and how many were priced staged.
     A staged rank costs one round and one descriptor per chunk of half a slot (a pulled
     chunk's spans counted as one: its floor), its bytes, and its local copies (P's
     gather and D's scatter pushed, D's scatter pulled)."""
-    total = 0.0 if push else link.round_s
+    total = 0.0
     staged = 0
+    own = link.round_s if push and len(runs) == 1 else 0.0  # a sole rank pushed: its round
     for r in runs.values():
         n, b = len(r), r.nbytes
-        best = n * link.desc_s + b * link.byte_s + (link.round_s if push else 0.0)
+        best = n * link.desc_s + b * link.byte_s + own
         if staging is not None and n >= MIN_RUNS and b <= MAX_AVG * n:
             rounds = -(-b // max(staging.slot_bytes // 2, 1))  # rounds of half a slot
             copy = n * staging.per_run + b * staging.per_byte
@@ -123,9 +124,8 @@ def price(
             if cost < best:
                 best, staged = cost, staged + 1
         total += best
-    direct = len(runs) - staged
-    if push and direct > 1:
-        total -= (direct - 1) * link.round_s  # one round for them all
+    if not push or (len(runs) > 1 and staged < len(runs)):  # the direct ranks' one round
+        total += link.round_s
     return total, staged
 
 

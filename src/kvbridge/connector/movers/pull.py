@@ -80,17 +80,11 @@ def pull(
 
     def then() -> None:  # direct runs posted: pull the staged ones while they move
         job.lap("post")
-        answer = job.answer  # READs go out while P answers begin: then "held", or fail
-        if answer is not None and direct:
-            answer()
-            answer = None
         if stager is None or slot is None:
             return
         staged_live: list[XferHandle] = []
         try:
-            posted, moved = stager.pull(
-                transport, peer.agents, staged, slot, deadline, staged_live, first=answer
-            )
+            posted, moved = stager.pull(transport, peer.agents, staged, slot, deadline, staged_live)
         finally:
             if staged_live:
                 job.live += staged_live

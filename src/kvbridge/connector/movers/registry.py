@@ -55,10 +55,10 @@ class MoverKind:
     (None: the pair's, any mover); ``ready(d, peer)``: whether ``plan_in`` answers at once
     (a load starts on the engine's thread only then, :meth:`Consumer.load`; never where
     a mover has ``plan_in`` and no ``ready``);
-    ``early(d)``: whether it may start before P answered ``begin`` (it reads P's memory
-    without asking P, and calls ``job.answer`` once its copies are launched or posted);
-    ``launch(...)``: such a start on the engine's thread, without waiting (``run`` ends
-    it, from a worker)."""
+    ``early(d)``: whether, planned in its own geometry, it may start before P answered
+    ``begin`` (it reads P's memory without asking P, and calls ``job.answer`` once its
+    copies are launched); ``launch(...)``: such a start on the engine's thread, without
+    waiting (``run`` ends it, from a worker)."""
 
     name: str
     order: int
@@ -119,17 +119,25 @@ def launch_early(d: Rank, peer: Peer, plan: Plan, job: _Load) -> bool:
     return True
 
 
-def serving(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[MoverKind, str]:
-    """The first mover that serves this load (the one started on the engine's thread,
-    where one was: its run ends it), and why."""
-    if job.launched_by is not None:
+def early(d: Rank, job: _Load) -> bool:
+    """Whether the mover ``job`` was planned for takes P's ``begin`` answer itself, while
+    it moves (:attr:`MoverKind.early`)."""
+    m = next((m for m in d.movers if m.name == job.planned_in), None)
+    return m is not None and m.early is not None and m.early(d)
+
+
+def transfer(d: Rank, peer: Peer, plan: Plan, job: _Load) -> tuple[str, str]:
+    """Move ``plan``'s runs with the first mover that serves this load: ``(mover, why)``."""
+    if job.launched_by is not None:  # started on the engine's thread: its run ends it
         name, why = job.launched_by
-        return _MOVERS.get(name), why
+        _MOVERS.get(name).run(d, peer, plan, job)
+        return name, why
     for m in d.movers:
         if job.planned_in in ("", m.name):
             why = m.serves(d, peer, plan, job)
             if why:
-                return m, why
+                m.run(d, peer, plan, job)
+                return m.name, why
     raise KVBridgeError(f"no mover serves the load of {job.handle.request_id!r}")
 
 
@@ -286,4 +294,4 @@ KERNEL = MoverKind(
 )
 register_mover(KERNEL)
 register_mover(MoverKind("push", 10, _serves_in(Mode.PUSH), _push_run))
-register_mover(MoverKind("pull", 20, _serves_in(Mode.PULL), _pull_run, early=lambda d: True))
+register_mover(MoverKind("pull", 20, _serves_in(Mode.PULL), _pull_run))

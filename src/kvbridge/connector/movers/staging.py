@@ -263,7 +263,7 @@ class Stager:
             extra = sum(c.staged_bytes for c in chs) - r.nbytes  # gaps read over
             shape = self.costs.shape(chs, push)
             copies = 2 if push else 1  # pushed: P's gather and D's scatter; pulled: D's
-            spared_rounds = 1 if push else 0  # pushed: the rank's own direct round
+            spared_rounds = 1 if push and len(runs) == 1 else 0  # a sole rank's own round
             if self.costs.staged_wins(
                 runs=len(r),
                 spans=spans,
@@ -295,13 +295,11 @@ class Stager:
         slot: int,
         deadline: float,
         live: list[XferHandle],
-        first: Callable[[], object] | None = None,
     ) -> tuple[int, int]:
         """READ each chunk's spans into one half of ``slot`` while the chunk before is
-        scattered from the other half → ``(descriptors posted, runs moved)``. ``first``:
-        called once the first READ is posted (P's ``begin`` answer, raising unless the
-        lease is held). READs still running at ``deadline`` (monotonic) or a failure go
-        to ``live``, and the slot is then the caller's to give back once they ended."""
+        scattered from the other half → ``(descriptors posted, runs moved)``. READs
+        still running at ``deadline`` (monotonic) or a failure go to ``live``, and the
+        slot is then the caller's to give back once they ended."""
         base = self.pool.region.addr + slot * self.pool.slot_bytes
         half = self.pool.slot_bytes // 2
         todo = [(src, ch) for src, chs in staged.items() for ch in chs]
@@ -317,20 +315,11 @@ class Stager:
             counts[0] += ch.span_len.shape[0]
             counts[1] += ch.run_len.shape[0]
 
-        def start(item: tuple[int, Chunk], at: int) -> XferHandle:
-            nonlocal first
-            handle = _read(transport, agents[item[0]], item[1], base + at)
-            if first is not None:
-                inflight.append(handle)  # fenced should the answer fail the load
-                answer, first = first, None
-                answer()
-                inflight.pop()
-            return handle
-
         clean = False
         try:
             rounds(
-                todo, half, start,
+                todo, half,
+                lambda item, at: _read(transport, agents[item[0]], item[1], base + at),
                 lambda h: transport.wait_or_keep(h, max(deadline - time.monotonic(), 0.0)),
                 scatter, inflight,
             )  # fmt: skip
