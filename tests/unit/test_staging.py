@@ -249,3 +249,35 @@ def test_cost_model_learns_descriptor_and_byte_costs_from_timed_transfers() -> N
     m.learn(100, 100 << 10, 1.0)  # neither many small runs nor long ones: says nothing
     m.learn(0, 0, 1.0)
     assert (m.link.desc_s, m.link.byte_s) == before
+
+
+def test_a_pull_failing_before_its_staged_reads_gives_the_slot_back(monkeypatch) -> None:
+    """The direct READs of a pull with staged ranks fail while posting: no staged READ
+    went out, so the slot the stager took comes back clean (not lost, not quarantined)."""
+    from kvbridge.connector.movers.staging import Stager
+    from kvbridge.errors import TransportError
+    from tests.unit.test_connector_loopback import World
+
+    w = World()
+    try:
+        d = w.consumers[0]
+        assert d.stager is not None
+        pool, real = d.stager.pool, Stager.choose
+
+        def one_staged(self, runs, *a, **kw):  # P rank 0 staged, rank 1 direct
+            staged, slot = real(self, runs, *a, **kw)
+            return {k: v for k, v in staged.items() if k == 0}, slot
+
+        def refused(*a, **kw):
+            raise TransportError("posting refused")
+
+        monkeypatch.setattr(Stager, "choose", one_staged)
+        monkeypatch.setattr(d.transport, "read", refused)
+        free = pool._free.qsize()
+        handle, tabs = w.request("r", 45)
+        d.load(handle, tabs)
+        (out,) = w.wait()
+        assert not out.ok and "posting refused" in out.error, out.error
+        assert pool._free.qsize() == free and pool.quarantined == 0
+    finally:
+        w.close()

@@ -77,11 +77,14 @@ def pull(
     timeout_s, post_runs = limits
     deadline = time.monotonic() + timeout_s
     staged, slot = stager.choose(plan.runs, peer.regions, link=link) if stager else ({}, None)
+    pulling = False
 
     def then() -> None:  # direct runs posted: pull the staged ones while they move
+        nonlocal pulling
         job.lap("post")
         if stager is None or slot is None:
             return
+        pulling = True  # the slot is stager.pull's from here
         staged_live: list[XferHandle] = []
         try:
             posted, moved = stager.pull(transport, peer.agents, staged, slot, deadline, staged_live)
@@ -94,6 +97,10 @@ def pull(
 
     direct = {src: r for src, r in plan.runs.items() if src not in staged}
     t0 = time.perf_counter()
-    posted = read_runs(transport, peer.agents, direct, deadline, job.live, post_runs, then)
+    try:
+        posted = read_runs(transport, peer.agents, direct, deadline, job.live, post_runs, then)
+    finally:
+        if stager is not None and slot is not None and not pulling:  # nothing staged posted
+            stager.pool.give_back(slot, True)
     job.posted += posted  # after the call: ``then`` adds the staged spans meanwhile
     return 0.0 if staged else time.perf_counter() - t0
