@@ -16,6 +16,7 @@ Usage: PYTHONPATH=src python -m benchmarks.bench_request_path [--requests N] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import multiprocessing as mp
 import statistics
@@ -54,8 +55,11 @@ def main() -> None:
         if args.transport != "nixl":
             ap.error("--p-process needs --transport nixl (loopback stays in one process)")
         here, there = mp.get_context("spawn").Pipe()
-        child = mp.get_context("spawn").Process(target=_p_main, args=(there, args.tokens))
+        child = mp.get_context("spawn").Process(
+            target=_p_main, args=(there, args.tokens), daemon=True
+        )
         child.start()
+        there.close()  # a dead child: the parent's recv ends, not waits
         producer: Any = _Remote(here, child)
     else:
         producer = _P(args.transport, args.tokens)
@@ -63,44 +67,46 @@ def main() -> None:
         "D", spec, Parallel(1), 0, lay, [int(b.ctypes.data) for b in d_mem],
         make_transport(args.transport, "D0"), SECRET,
     )  # fmt: skip
-    with_prompt = "prompt" in inspect.signature(Producer.prefill_done).parameters
-    need = -(-args.tokens // 16)
-    seconds: list[float] = []
-    stages: dict[str, list[float]] = {}
-    p_host: list[float] = []
-    for i in range(args.requests):
-        prompt = rng.integers(0, 50_000, args.tokens + 1).tolist()
-        p_tab = [[int(b) for b in rng.permutation(blocks)[:need]]]
-        d_tab = [[int(b) for b in rng.permutation(blocks)[:need]]]
-        t0 = time.perf_counter()
-        kw = {"prompt": prompt[: args.tokens]} if with_prompt else {}
-        handle = producer.prefill_done(f"r{i}", p_tab, args.tokens, **kw)
-        p_host.append(time.perf_counter() - t0)
-        consumer.load(handle, d_tab, 0, **({"prompt": prompt} if with_prompt else {}))
-        end, out = time.monotonic() + 10, []
-        while not out and time.monotonic() < end:
-            out = consumer.poll()
-            time.sleep(0.0002)
-        assert out and out[0].ok, out
-        seconds.append(out[0].seconds)
-        for k, v in out[0].stages.items():
-            stages.setdefault(k, []).append(v)
-        producer.freed()
-    warm = slice(args.requests // 10, None)  # the first handshake and warm-up left out
+    try:
+        with_prompt = "prompt" in inspect.signature(Producer.prefill_done).parameters
+        need = -(-args.tokens // 16)
+        seconds: list[float] = []
+        stages: dict[str, list[float]] = {}
+        p_host: list[float] = []
+        for i in range(args.requests):
+            prompt = rng.integers(0, 50_000, args.tokens + 1).tolist()
+            p_tab = [[int(b) for b in rng.permutation(blocks)[:need]]]
+            d_tab = [[int(b) for b in rng.permutation(blocks)[:need]]]
+            t0 = time.perf_counter()
+            kw = {"prompt": prompt[: args.tokens]} if with_prompt else {}
+            handle = producer.prefill_done(f"r{i}", p_tab, args.tokens, **kw)
+            p_host.append(time.perf_counter() - t0)
+            consumer.load(handle, d_tab, 0, **({"prompt": prompt} if with_prompt else {}))
+            end, out = time.monotonic() + 10, []
+            while not out and time.monotonic() < end:
+                out = consumer.poll()
+                time.sleep(0.0002)
+            assert out and out[0].ok, out
+            seconds.append(out[0].seconds)
+            for k, v in out[0].stages.items():
+                stages.setdefault(k, []).append(v)
+            producer.freed()
+        warm = slice(args.requests // 10, None)  # the first handshake and warm-up left out
 
-    def ms(xs: list[float]) -> str:
-        return f"{statistics.median(xs[warm]) * 1e3:.3f}"
+        def ms(xs: list[float]) -> str:
+            return f"{statistics.median(xs[warm]) * 1e3:.3f}"
 
-    first = {k: round(v[0] * 1e3, 3) for k, v in stages.items()}
-    print(f"first request on the new pair: {seconds[0] * 1e3:.3f} ms; stages {first}")
-    print(
-        f"{args.requests} requests × {args.tokens} tokens over {args.transport}"
-        f"{' (with prompt digests)' if with_prompt else ''}: load median {ms(seconds)} ms; "
-        f"P prefill_done {ms(p_host)} ms; stages "
-        + " ".join(f"{k}={ms(v)}" for k, v in stages.items())
-    )
-    consumer.close()
-    producer.close()
+        first = {k: round(v[0] * 1e3, 3) for k, v in stages.items()}
+        print(f"first request on the new pair: {seconds[0] * 1e3:.3f} ms; stages {first}")
+        print(
+            f"{args.requests} requests × {args.tokens} tokens over {args.transport}"
+            f"{' (with prompt digests)' if with_prompt else ''}: load median {ms(seconds)} ms; "
+            f"P prefill_done {ms(p_host)} ms{' (with the pipe to P)' if args.p_process else ''}; "
+            "stages " + " ".join(f"{k}={ms(v)}" for k, v in stages.items())
+        )
+    finally:
+        consumer.close()
+        producer.close()
 
 
 class _P:
@@ -148,8 +154,11 @@ class _Remote:
         self._call("freed", (), {})
 
     def close(self) -> None:
-        self.conn.send(None)
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
         self.child.join(10)
+        if self.child.is_alive():
+            self.child.terminate()
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def test_price_is_each_rank_direct_or_staged_whichever_is_cheaper() -> None:
     pulled, staged = price(link, many, False, FakeStaging())
     assert staged == 2 and pulled < 0.01
     pushed, staged = price(link, many, True, FakeStaging())
-    assert staged == 2 and pushed > pulled  # one more round per rank, two copies
+    assert staged == 2 and pushed > pulled  # two local copies per byte
     assert price(link, many, False, None)[1] == 0  # no stager: direct only
 
 

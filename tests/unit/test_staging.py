@@ -254,7 +254,7 @@ def test_cost_model_learns_descriptor_and_byte_costs_from_timed_transfers() -> N
 def test_a_pull_failing_before_its_staged_reads_gives_the_slot_back(monkeypatch) -> None:
     """The direct READs of a pull with staged ranks fail while posting: no staged READ
     went out, so the slot the stager took comes back clean (not lost, not quarantined)."""
-    from kvbridge.connector.movers.staging import Stager
+    from kvbridge.connector.movers.staging import CostModel, Stager
     from kvbridge.errors import TransportError
     from tests.unit.test_connector_loopback import World
 
@@ -266,11 +266,13 @@ def test_a_pull_failing_before_its_staged_reads_gives_the_slot_back(monkeypatch)
 
         def one_staged(self, runs, *a, **kw):  # P rank 0 staged, rank 1 direct
             staged, slot = real(self, runs, *a, **kw)
+            assert slot is not None and 0 in staged  # staging wins here (forced below)
             return {k: v for k, v in staged.items() if k == 0}, slot
 
         def refused(*a, **kw):
             raise TransportError("posting refused")
 
+        monkeypatch.setattr(CostModel, "staged_wins", lambda *a, **kw: True)
         monkeypatch.setattr(Stager, "choose", one_staged)
         monkeypatch.setattr(d.transport, "read", refused)
         free = pool._free.qsize()

@@ -112,7 +112,7 @@ class CostModel:
         """``copies``: local copies of every byte (pushed: P's gather and D's scatter);
         ``shape``: how they copy (:func:`copy_shape`); ``extra``: the gap bytes spans read
         over; ``link``: the pair's costs that way (None: :attr:`link`); ``direct_rounds``:
-        the direct transfer's rounds staging spares (push: the rank's own; pull: 0)."""
+        the direct transfer's rounds staging spares (push to a sole rank: its own; else 0)."""
         t = link or self.link
         direct = runs * t.desc_s + direct_rounds * t.round_s
         staged = spans * t.desc_s + rounds * t.round_s + max(extra, 0) * t.byte_s
