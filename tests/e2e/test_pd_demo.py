@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from kvbridge.spec import Kind
 from refengine import PRESETS, encode, generate, model_spec, preset
 from refengine import demo as demo_run
 from refengine.pd import Decoded, DecodeServer, PrefillServer, Router
+from tests.support.procs import killed
 
 pytestmark = pytest.mark.e2e
 
@@ -197,7 +197,7 @@ def test_a_mixed_up_handle_or_a_dead_p_rank_makes_d_recompute_the_same_output() 
             assert mixed.recomputed and "PromptMismatch" in mixed.error and mixed.bytes == 0
             assert mixed.tokens == colocated(name, tuple(prompt))
             handle = p.prefill("doomed", prompt).to_bytes()
-            os.kill(p.engine.pids[1], signal.SIGKILL)
+            killed(p.engine.pids[1])  # dead before D reads from it
             out = d.decode("doomed", prompt, handle, NEW_TOKENS)
         finally:
             d.close()

@@ -12,7 +12,7 @@ import pytest
 from kvbridge.api import SideConfig
 from kvbridge.control.lease import LeaseState
 from kvbridge.spec import DType, Kind, ModelSpec, attention, group_by_kind, mamba2, mla
-from tests.support.procs import Instance
+from tests.support.procs import Instance, killed
 from tests.support.rank_worker import Changed, Fill, Load, Scribble, Verify, Wait
 from tests.support.scenario import random_tables
 
@@ -162,7 +162,7 @@ def test_p_rank_killed_during_transfers_fails_within_deadline(mode):
         pair.load(handle, d_tabs)
         assert pair.wait(["ok"])[0]["ok"].ok
         handles = [pair.prefill(f"k{i}", 60) for i in range(4)]
-        os.kill(pair.p.procs.pids[1], signal.SIGKILL)
+        killed(pair.p.procs.pids[1])  # dead before D reads: its memory no longer readable
         t0 = time.monotonic()
         for h, tabs in handles:
             pair.load(h, tabs, snap=False)

@@ -8,6 +8,9 @@ P coordinator (:class:`Producer`); each rank process runs a
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -113,3 +116,19 @@ def _rank_main(conn: Connection, rs: RankSpec) -> None:
         serve(conn, worker.handle, rs.rank)
     finally:
         worker.close()
+
+
+def killed(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL ``pid`` and wait until it has exited (a zombie, or reaped): a READ posted
+    right after the signal may otherwise still copy from its memory and succeed."""
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if "\nState:\tZ" in f.read():
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} still running {timeout_s} s after SIGKILL")
