@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
+from benchmarks.bench_request_path import SECRET, outcome
 from kvbridge.api import (
     Consumer,
     Mode,
@@ -31,7 +31,6 @@ from kvbridge.api import (
     make_transport,
 )
 
-SECRET = b"bench"
 BLOCK = 16
 
 
@@ -104,13 +103,10 @@ def main() -> None:
             d_tab = [[int(b) for b in rng.permutation(blocks)[:need]]]
             conns[0].send(("prefill_done", (f"r{i}", p_tab, args.tokens)))
             consumer.load(conns[0].recv(), d_tab, 0)
-            end, out = time.monotonic() + 10, []
-            while not out and time.monotonic() < end:
-                out = consumer.poll()
-                time.sleep(0.0002)
-            assert out and out[0].ok and out[0].mover == "push", out
-            loads.append(out[0].seconds)
-            transfers.append(out[0].stages["transfer"])
+            got = outcome(consumer)
+            assert got.mover == "push", got
+            loads.append(got.seconds)
+            transfers.append(got.stages["transfer"])
             conns[0].send(("freed", ()))
             conns[0].recv()
     finally:

@@ -82,13 +82,9 @@ def main() -> None:
             handle = producer.prefill_done(f"r{i}", p_tab, args.tokens, **kw)
             p_host.append(time.perf_counter() - t0)
             consumer.load(handle, d_tab, 0, **({"prompt": prompt} if with_prompt else {}))
-            end, out = time.monotonic() + 10, []
-            while not out and time.monotonic() < end:
-                out = consumer.poll()
-                time.sleep(0.0002)
-            assert out and out[0].ok, out
-            seconds.append(out[0].seconds)
-            for k, v in out[0].stages.items():
+            got = outcome(consumer)
+            seconds.append(got.seconds)
+            for k, v in got.stages.items():
                 stages.setdefault(k, []).append(v)
             producer.freed()
         warm = slice(args.requests // 10, None)  # the first handshake and warm-up left out
@@ -107,6 +103,16 @@ def main() -> None:
     finally:
         consumer.close()
         producer.close()
+
+
+def outcome(consumer: Consumer, timeout_s: float = 10.0) -> Any:
+    """The one load's outcome ``consumer`` was given, polled for; it must be a success."""
+    end, out = time.monotonic() + timeout_s, []
+    while not out and time.monotonic() < end:
+        out = consumer.poll()
+        time.sleep(0.0002)
+    assert out and out[0].ok, out
+    return out[0]
 
 
 class _P:
